@@ -1,0 +1,442 @@
+"""Tests for vgrpo: pure functions against formulas written here, the sampler against diffusers' pipeline
+and an analytic ODE, and whole runs launched as a user would (subprocess, torchrun with 2 processes).
+CPU only, offline: every model is a tiny random one built in code."""
+
+import json
+import os
+import subprocess
+import sys
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import reward
+import vgrpo
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+FAST = ["--iterations", "3", "--sample-steps", "6", "--prompts-per-step", "2", "--group-size", "4",
+        "--micro-batch", "4", "--n-mc", "2", "--lr", "1e-3", "--no-full-finetune"]
+
+
+def run_script(*args, nproc=None, timeout=600):
+    launcher = [sys.executable] if nproc is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run(launcher + [os.path.join(HERE, "vgrpo.py"), *map(str, args)], env=ENV, cwd=HERE,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def lora(out_dir, iteration):
+    return load_file(os.path.join(out_dir, f"checkpoint-{iteration}", "pytorch_lora_weights.safetensors"))
+
+
+# --------------------------------------------------------------------------- group advantages
+
+
+@pytest.mark.parametrize("group_size,soft_clip", [(2, None), (4, None), (8, None), (8, 1.0), (5, 3.0)])
+def test_group_advantages_match_formula(group_size, soft_clip):
+    rng = np.random.default_rng(group_size)
+    r = rng.normal(size=3 * group_size)
+    want = []
+    for g in r.reshape(3, group_size):
+        std = np.sqrt(np.mean((g - g.mean()) ** 2))   # population std
+        a = (g - g.mean()) / (std + 1e-4)
+        want.append(soft_clip * np.tanh(a / soft_clip) if soft_clip else a)
+    got = vgrpo.group_advantages(torch.tensor(r, dtype=torch.float32), group_size, soft_clip=soft_clip)
+    np.testing.assert_allclose(got.numpy(), np.concatenate(want), rtol=1e-5, atol=1e-5)
+
+
+def test_all_equal_rewards_give_exactly_zero_advantages():
+    # 0.1 * 3 is not exactly representable: a naive mean leaves a ~1e-17 residue, divided by a 0 std
+    r = torch.tensor([0.1, 0.1, 0.1, 5.0, 5.0, 5.0, 1.0, 2.0, 3.0])
+    A = vgrpo.group_advantages(r, 3)
+    assert torch.isfinite(A).all()
+    assert torch.equal(A[:6], torch.zeros(6))
+    assert A[6] < 0 < A[8]
+    assert torch.equal(vgrpo.group_advantages(torch.full((8,), 7.0), 4, soft_clip=3.0), torch.zeros(8))
+
+
+def test_group_size_one_is_refused():
+    with pytest.raises(ValueError, match="at least 2"):
+        vgrpo.group_advantages(torch.ones(4), 1)
+
+
+# --------------------------------------------------------------------------- stratified sigmas and pairs
+
+
+@pytest.mark.parametrize("steps,n", [(10, 4), (10, 10), (7, 3), (40, 4)])
+def test_stratified_sigmas_one_per_chunk(steps, n):
+    grid = torch.cat([torch.linspace(1.0, 0.05, steps), torch.zeros(1)])
+    chunks = np.array_split(grid[:-1].numpy(), n)     # independent split of the grid without its 0
+    seen = [set() for _ in range(n)]
+    for seed in range(200):
+        s = vgrpo.stratified_sigmas(grid, n, torch.Generator().manual_seed(seed))
+        assert s.shape == (n,)
+        for j, value in enumerate(s.tolist()):
+            assert any(np.isclose(value, chunks[j])), (value, chunks[j])
+            seen[j].add(round(value, 6))
+    assert all(len(seen[j]) == len(chunks[j]) for j in range(n))   # every grid point of a chunk is reachable
+    a = vgrpo.stratified_sigmas(grid, n, torch.Generator().manual_seed(3))
+    assert torch.equal(a, vgrpo.stratified_sigmas(grid, n, torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("sharing", ["batch", "group", "none"])
+def test_pairs_are_shared_as_requested(sharing):
+    grid = torch.cat([torch.linspace(1.0, 0.1, 10), torch.zeros(1)])
+    ids = [(p, m) for p in (0, 1) for m in range(3)]
+    sig, eps = vgrpo.draw_pairs(grid, 4, (2, 3, 3), ids, sharing, True, seed=0, iteration=5)
+    assert sig.shape == (6, 4) and eps.shape == (6, 4, 2, 3, 3)
+    same = lambda i, j: torch.equal(sig[i], sig[j]) and torch.equal(eps[i], eps[j])
+    assert same(0, 1) == (sharing != "none")            # members of one group
+    assert same(0, 3) == (sharing == "batch")           # two groups
+    # keyed by (seed, iteration, global prompt, member): rank 1 holding only prompt 1 sees the same draws
+    sig1, eps1 = vgrpo.draw_pairs(grid, 4, (2, 3, 3), ids[3:], sharing, True, seed=0, iteration=5)
+    assert torch.equal(sig1, sig[3:]) and torch.equal(eps1, eps[3:])
+    sig2, _ = vgrpo.draw_pairs(grid, 4, (2, 3, 3), ids, sharing, True, seed=0, iteration=6)
+    assert not torch.equal(sig2, sig) or sharing == "batch" and not torch.equal(_, eps)
+
+
+# --------------------------------------------------------------------------- ELBO surrogate and loss
+
+
+def _surrogate_numpy(v, o, sig, eps, weighting):
+    s = sig[:, :, None, None, None]
+    x = (1 - s) * o[:, None] + s * eps
+    err = x - s * v - o[:, None]
+    mse = (err ** 2).mean(axis=(2, 3, 4))
+    l = mse / np.abs(err).mean(axis=(2, 3, 4)) if weighting == "adaptive" else mse
+    return -l.mean(axis=1), err
+
+
+@pytest.mark.parametrize("weighting", ["adaptive", "none"])
+def test_elbo_surrogate_matches_formula(weighting):
+    rng = np.random.default_rng(0)
+    B, N, lat = 3, 4, (2, 4, 4)
+    v, eps = rng.normal(size=(B, N, *lat)), rng.normal(size=(B, N, *lat))
+    o, sig = rng.normal(size=(B, *lat)), rng.uniform(0.05, 1.0, size=(B, N))
+    s_want, err = _surrogate_numpy(v, o, sig, eps, weighting)
+    v_t = torch.tensor(v, dtype=torch.float32, requires_grad=True)
+    s, x0 = vgrpo.elbo_surrogate(v_t, *(torch.tensor(a, dtype=torch.float32) for a in (o, sig, eps)), weighting=weighting)
+    np.testing.assert_allclose(s.detach().numpy(), s_want, rtol=1e-5)
+    np.testing.assert_allclose(x0.detach().numpy(), err + o[:, None], rtol=1e-5, atol=1e-6)
+    # gradient: the adaptive denominator is a stop-grad constant c, so ds/dv = 2 sigma err / (N D c)
+    s.sum().backward()
+    D = np.prod(lat)
+    c = np.abs(err).mean(axis=(2, 3, 4), keepdims=True) if weighting == "adaptive" else 1.0
+    want_grad = 2 * sig[:, :, None, None, None] * err / (N * D * c)
+    np.testing.assert_allclose(v_t.grad.numpy(), want_grad, rtol=1e-4, atol=1e-7)
+
+
+def test_vgrpo_loss_matches_formula():
+    rng = np.random.default_rng(1)
+    s_new, s_old, A = rng.normal(0, 0.02, 16), rng.normal(0, 0.02, 16), rng.normal(size=16)
+    x0n, x0o = rng.normal(size=(16, 2, 3)), rng.normal(size=(16, 2, 3))
+    ratio = np.exp(s_new - s_old)
+    want = -np.mean(np.minimum(ratio * A, np.clip(ratio, 0.99, 1.01) * A)) + 0.3 * np.mean((x0n - x0o) ** 2)
+    t = lambda a: torch.tensor(a, dtype=torch.float32)
+    loss, stats = vgrpo.vgrpo_loss(t(s_new), t(s_old), t(A), 0.01, 0.3, t(x0n), t(x0o))
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    assert stats["clip_frac"] == pytest.approx(np.mean(np.abs(ratio - 1) > 0.01))
+    assert stats["ratio_max"] == pytest.approx(ratio.max(), rel=1e-6)
+    assert stats["kl"] == pytest.approx(np.mean((x0n - x0o) ** 2), rel=1e-5)
+
+
+@pytest.mark.parametrize("log_ratio,A,binds", [(0.05, 1.0, True), (-0.05, -1.0, True), (0.05, -1.0, False),
+                                               (-0.05, 1.0, False), (0.005, 1.0, False)])
+def test_zero_gradient_where_the_clip_binds(log_ratio, A, binds):
+    s_new = torch.tensor([log_ratio], requires_grad=True)
+    loss, _ = vgrpo.vgrpo_loss(s_new, torch.zeros(1), torch.tensor([A]), clip_eps=0.01)
+    loss.backward()
+    if binds:
+        assert s_new.grad.item() == 0.0
+    else:
+        assert s_new.grad.item() == pytest.approx(-A * np.exp(log_ratio), rel=1e-5)
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+def _gaussian_velocity(a):
+    # data o ~ N(0, a^2): E[o | x_s] = (1-s) a^2 x / ((1-s)^2 a^2 + s^2) and v = (x - E[o | x_s]) / s; the
+    # probability-flow ODE then maps noise z exactly to a z.
+    def velocity(x, s):
+        s = float(s)
+        return (x - (1 - s) * a**2 * x / ((1 - s) ** 2 * a**2 + s**2)) / s
+    return velocity
+
+
+@pytest.mark.parametrize("shift,steps", [(1.0, 10), (3.0, 16), (3.0, 40)])
+def test_ode_samplers_against_the_exact_gaussian_flow(shift, steps):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(steps)
+    z = torch.randn(256, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    err = {name: (vgrpo.sample_ode(_gaussian_velocity(0.5), z, scheduler.sigmas.double(), name) - 0.5 * z).abs().max().item()
+           for name in vgrpo.SAMPLERS}
+    assert err["dpmpp2m"] < err["euler"] / 2, err
+
+
+@pytest.mark.parametrize("steps", [10, 16])
+def test_dpmpp2m_equals_diffusers_dpm_solver_on_its_grid(steps):
+    from diffusers import DPMSolverMultistepScheduler
+    scheduler = DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction",
+                                            algorithm_type="dpmsolver++", solver_order=2, final_sigmas_type="zero")
+    scheduler.set_timesteps(steps)
+    velocity = _gaussian_velocity(0.7)
+    x = z = torch.randn(64, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for i, t in enumerate(scheduler.timesteps):
+        x = scheduler.step(velocity(x, scheduler.sigmas[i]), t, x).prev_sample
+    ours = vgrpo.sample_ode(velocity, z, scheduler.sigmas.double(), "dpmpp2m")
+    assert (ours - x).abs().max().item() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return vgrpo.load_family(vgrpo.Args(), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0])
+def test_euler_rollout_reproduces_stable_diffusion3_pipeline(tiny, guidance):
+    prompts = ["a red apple", "a blue car on a road"]
+    noise = torch.randn(2, *tiny.latent_shape, generator=torch.Generator().manual_seed(1))
+    want = tiny.pipe(prompt=prompts, num_inference_steps=8, guidance_scale=guidance, latents=noise.clone(),
+                     height=32, width=32, max_sequence_length=8, output_type="latent").images
+    args = vgrpo.Args(sampler="euler", guidance=guidance, micro_batch=2)
+    got = vgrpo.rollout(tiny, tiny.transformer, tiny.encode(prompts), noise, tiny.sigma_grid(8), args,
+                        tiny.encode([""]))
+    assert (got - want).abs().max().item() < 1e-5
+
+
+# --------------------------------------------------------------------------- ratio before the first step
+
+
+@pytest.mark.parametrize("inner_steps,micro_batch", [(1, 8), (2, 2)])
+def test_ratio_is_exactly_one_before_the_first_update(inner_steps, micro_batch):
+    args = vgrpo.Args(prompts_per_step=2, group_size=4, sample_steps=6, inner_steps=inner_steps,
+                      micro_batch=micro_batch, beta=0.1)
+    run, _ = vgrpo.build_run(args, 0, 1, torch.device("cpu"))
+    ids = [(p, m) for p in range(2) for m in range(4)]
+    cond = run.family.encode(["a cat"] * 4 + ["a dog"] * 4)
+    noise = torch.randn(8, *run.family.latent_shape)
+    o = vgrpo.rollout(run.family, run.family.transformer, cond, noise, run.sigmas, args)
+    sig, eps = vgrpo.draw_pairs(run.sigmas, args.n_mc, run.family.latent_shape, ids, "batch", True, 0, 0)
+    batch = {"o": o, "cond": cond, "sigmas": sig, "eps": eps}
+    s_old, x0_old = vgrpo.old_surrogate(run.family, run.family.transformer, batch, args, 2)
+    for k, idx in vgrpo.micro_batches(2, 4, inner_steps, micro_batch):
+        if k > 0:
+            break
+        s_new, x0_new = vgrpo.surrogate(run.family, run.model, o[idx], sig[idx], eps[idx],
+                                        vgrpo.take(cond, idx), args.weighting)
+        assert s_new.requires_grad
+        assert torch.equal(torch.exp(s_new - s_old[idx]), torch.ones(len(idx)))
+        assert torch.equal(x0_new, x0_old[idx])
+
+
+# --------------------------------------------------------------------------- whole runs
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("short")
+    p = run_script(*FAST, "--inner-steps", "2", "--micro-batch", "2", "--beta", "0.1", "--adv-soft-clip", "3",
+                   "--sample-every", "2", "--output-dir", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out, p
+
+
+def test_script_run_writes_its_outputs(short_run):
+    out, p = short_run
+    m = metrics(out)
+    assert [x["iteration"] for x in m] == [1, 2, 3]
+    for x in m:
+        assert all(np.isfinite(v) for v in x.values())
+        assert x["ratio_dev_first"] == 0.0                 # exactly 1 before each iteration's first step
+        assert x["adv_abs_max"] <= 3.0                      # soft clip eta = 3
+        assert abs(x["adv_mean"]) < 1e-5
+        assert x["reward_mean"] < 0
+    assert m[1]["ratio_max"] > 1.0 or m[1]["ratio_min"] < 1.0  # the second inner step sees moved weights
+    assert m[1]["kl"] > 0
+    assert sum(line.startswith("it ") for line in p.stdout.splitlines()) == 3
+    assert "batch: 2 prompts x 4 images = 8 samples" in p.stdout
+    from PIL import Image
+    assert sorted(os.listdir(out / "samples")) == ["iter-00001.png", "iter-00002.png", "iter-00003.png"]
+    assert Image.open(out / "samples" / "iter-00001.png").size == (4 * 128, 2 * (14 + 128 + 12))
+    ckpt = out / "checkpoint-3"
+    assert {"pytorch_lora_weights.safetensors", "optimizer.pt", "state.json"} <= set(os.listdir(ckpt))
+    assert json.loads((ckpt / "state.json").read_text())["iteration"] == 3
+
+
+def test_saved_lora_loads_into_stable_diffusion3_pipeline(short_run, tiny):
+    out, _ = short_run
+    pipe = vgrpo.build_tiny_sd3_pipeline()
+    base = pipe(prompt="a cat", num_inference_steps=4, height=32, width=32, max_sequence_length=8,
+                output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    pipe.load_lora_weights(str(out / "checkpoint-3"))
+    tuned = pipe(prompt="a cat", num_inference_steps=4, height=32, width=32, max_sequence_length=8,
+                 output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    # the same LoRA put into vgrpo's own model (alpha / r scaling included) must give the same images
+    args = vgrpo.Args(full_finetune=False)
+    family = vgrpo.load_family(args, torch.device("cpu"))
+    vgrpo.add_trainable_weights(family, args)
+    from peft import set_peft_model_state_dict
+    set_peft_model_state_dict(family.transformer, {k.removeprefix("transformer."): v for k, v in lora(out, 3).items()})
+    family.pipe.transformer = family.transformer
+    ours = family.pipe(prompt="a cat", num_inference_steps=4, height=32, width=32, max_sequence_length=8,
+                       output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    assert (tuned - base).abs().max() > 1e-4
+    assert torch.allclose(tuned, ours, atol=1e-5)
+
+
+def test_two_processes_train_exactly_like_one(tmp_path):
+    common = [*FAST, "--iterations", "2", "--inner-steps", "2", "--micro-batch", "2", "--pair-sharing", "group"]
+    one = run_script(*common, "--output-dir", tmp_path / "one")
+    two = run_script(*common, "--output-dir", tmp_path / "two", nproc=2)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert m1[0]["reward_mean"] == m2[0]["reward_mean"]   # the same rollouts, bit for bit
+    for a, b in zip(m1, m2):
+        assert a["reward_std"] == pytest.approx(b["reward_std"], rel=1e-5)
+        assert a["ratio_max"] == pytest.approx(b["ratio_max"], rel=1e-5)
+    w1, w2 = lora(tmp_path / "one", 2), lora(tmp_path / "two", 2)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_resume_continues_exactly(tmp_path):
+    common = [*FAST, "--iterations", "4", "--save-every", "2"]
+    full = run_script(*common, "--output-dir", tmp_path / "full")
+    first = run_script(*common, "--iterations", "2", "--output-dir", tmp_path / "part")
+    assert full.returncode == 0 and first.returncode == 0, full.stderr[-2000:] + first.stderr[-2000:]
+    rest = run_script(*common, "--output-dir", tmp_path / "part", "--resume", tmp_path / "part" / "checkpoint-2")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "resumed from" in rest.stdout
+    a, b = metrics(tmp_path / "full"), metrics(tmp_path / "part")
+    assert [x["iteration"] for x in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert x["reward_mean"] == y["reward_mean"] and x["grad_norm"] == y["grad_norm"]
+    w_full, w_part = lora(tmp_path / "full", 4), lora(tmp_path / "part", 4)
+    for k in w_full:
+        assert torch.equal(w_full[k], w_part[k]), k
+
+
+def test_default_command_learns(tmp_path):
+    """The README's demo: `python vgrpo.py` on 2 CPU cores, the reward of the last 10 iterations clearly
+    above the first 10 (measured margins are in the README)."""
+    env = {**ENV}
+    env.pop("OMP_NUM_THREADS")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "vgrpo.py"), "--output-dir", str(tmp_path)],
+                       env=env, cwd=HERE, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = [x["reward_mean"] for x in metrics(tmp_path)]
+    first, last = np.mean(r[:10]), np.mean(r[-10:])
+    spread = np.mean([x["reward_std"] for x in metrics(tmp_path)[:10]])
+    assert last - first > spread, (first, last, spread)
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+def _images(n=4, side=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    smooth = torch.nn.functional.interpolate(torch.rand(n, 3, 4, 4, generator=g), size=side, mode="bilinear")
+    return torch.where(torch.arange(n).view(n, 1, 1, 1) % 2 == 0, smooth, torch.rand(n, 3, side, side, generator=g))
+
+
+def test_jpeg_reward_is_minus_kilobytes_over_500():
+    import io
+    from PIL import Image
+    images = _images()
+    want = []
+    for im in images:
+        buf = io.BytesIO()
+        Image.fromarray((im.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).save(buf, "JPEG", quality=95)
+        want.append(-len(buf.getvalue()) / 1000 / 500)
+    got = reward.load_reward("jpeg")(images, [""] * 4)
+    assert got.dtype == torch.float32 and got.shape == (4,)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    assert got[0] > got[1]                                   # smooth compresses better than noise
+    np.testing.assert_allclose(reward.load_reward("jpeg:100,jpeg:-0.5")(images, [""] * 4).numpy(),
+                               99.5 * np.array(want), rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+    d = tmp_path_factory.mktemp("clip_tok")
+    vgrpo.write_byte_tokenizer(str(d))
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=512, eos_token_id=513,
+                         pad_token_id=513),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8), projection_dim=16)
+    model = CLIPModel(config).eval()
+    processor = CLIPProcessor(CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+                              CLIPTokenizer.from_pretrained(str(d), model_max_length=64))
+    return model, processor
+
+
+@pytest.mark.parametrize("use_logit_scale,divide_by", [(True, 26.0), (False, 1.0)])
+def test_clip_rewards_match_formula(tiny_clip, use_logit_scale, divide_by):
+    model, processor = tiny_clip
+    images, prompts = _images(seed=1), ["a red cat", "a dog", "two blue birds", "a house"]
+    fn = reward.clip_similarity_reward(model, processor, "cpu", use_logit_scale, divide_by)
+    got = fn(images, prompts)
+    pil = [reward.to_uint8_images(images[i:i + 1])[0] for i in range(4)]
+    inputs = processor(text=prompts, images=pil, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**inputs).logits_per_image.diagonal()   # logit_scale.exp() * cos
+    want = logits / (1 if use_logit_scale else model.logit_scale.exp()) / divide_by
+    assert got.shape == (4,) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_reward_spec_errors():
+    with pytest.raises(ValueError, match="unknown reward 'foo'.*jpeg, pickscore, clipscore"):
+        reward.parse_reward_spec("jpeg,foo")
+    with pytest.raises(ValueError, match="not a number"):
+        reward.parse_reward_spec("jpeg:x")
+    assert reward.parse_reward_spec("pickscore:1,clipscore:0.5") == [("pickscore", 1.0), ("clipscore", 0.5)]
+    bad = reward.WeightedReward([("broken", 1.0, lambda images, prompts: torch.zeros(len(images) + 1))])
+    with pytest.raises(reward.RewardError, match="'broken'"):
+        bad(torch.zeros(2, 3, 8, 8), ["", ""])
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--model", "nonsense"], "unknown model 'nonsense'"),
+    (["--reward", "nope"], "unknown reward 'nope'"),
+    (["--sampler", "heun"], "unknown sampler 'heun'"),
+    (["--group-size", "1"], "--group-size must be at least 2"),
+    (["--inner-steps", "3"], "must divide --group-size"),
+    (["--micro-batch", "5"], "--micro-batch 5 must divide"),
+    (["--prompts", "/no/such/file.txt"], "prompt file not found"),
+    (["--model", "stabilityai/stable-diffusion-3.5-medium"], "could not load"),
+])
+def test_bad_input_is_one_clear_line(flags, message, tmp_path):
+    p = run_script(*flags, "--output-dir", tmp_path, timeout=300)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("vgrpo: error: ") and message in p.stderr, p.stderr
+
+
+def test_prompts_that_do_not_split_over_processes_are_refused(tmp_path):
+    p = run_script("--prompts-per-step", "3", "--micro-batch", "4", "--output-dir", tmp_path, nproc=2, timeout=300)
+    assert p.returncode != 0
+    # torchrun adds its own report; each process's own message is the one clear line
+    assert "vgrpo: error: --prompts-per-step 3 is not divisible by the 2 processes" in p.stderr
+    assert 'vgrpo.py", line' not in p.stderr

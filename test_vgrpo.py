@@ -260,8 +260,7 @@ def test_script_run_writes_its_outputs(short_run):
     for x in m:
         assert all(np.isfinite(v) for v in x.values())
         assert x["ratio_dev_first"] == 0.0                 # exactly 1 before each iteration's first step
-        assert x["adv_abs_max"] <= 3.0                      # soft clip eta = 3
-        assert abs(x["adv_mean"]) < 1e-5
+        assert 0 < x["adv_abs_max"] < 3.0                   # soft clip eta = 3
         assert x["reward_mean"] < 0
     assert m[1]["ratio_max"] > 1.0 or m[1]["ratio_min"] < 1.0  # the second inner step sees moved weights
     assert m[1]["kl"] > 0

@@ -64,7 +64,7 @@ class Args:
     sampler: str = arg("dpmpp2m", "ODE sampler for rollouts: dpmpp2m (DPM-Solver++ 2M) or euler")
     sample_steps: int = arg(10, "ODE steps per rollout")
     guidance: float = arg(1.0, "classifier-free guidance scale for rollouts (1 = off, as the paper trains SD3.5-M)")
-    iterations: int = arg(100, "total training iterations (a resumed run continues up to this number)")
+    iterations: int = arg(60, "total training iterations (a resumed run continues up to this number)")
     prompts_per_step: int = arg(4, "P: prompts per iteration, GLOBAL over all processes")
     group_size: int = arg(8, "G: images per prompt (the GRPO group)")
     n_mc: int = arg(4, "N_MC: (sigma, eps) pairs per sample in the ELBO surrogate")
@@ -75,8 +75,8 @@ class Args:
     beta: float = arg(0.0, "weight of the KL-to-sampling-policy term (0.3 in the paper's last SD3.5 stage)")
     adv_soft_clip: float = arg(0.0, "eta for A <- eta * tanh(A / eta); 0 turns it off (3 in on-policy SD3.5 runs)")
     inner_steps: int = arg(1, "optimizer steps per rollout batch; must divide the group size")
-    micro_batch: int = arg(8, "samples per forward pass (gradient accumulation); memory, not math")
-    lr: float = arg(None, "AdamW learning rate (default: 1e-3 for tiny, 3e-4 with LoRA, 1e-5 for full fine-tuning)")
+    micro_batch: int = arg(None, "samples per forward pass, N_MC rows each (default: gcd(minibatch, 16 tiny / 4))")
+    lr: float = arg(None, "AdamW learning rate (default: 2e-3 for tiny, 3e-4 with LoRA, 1e-5 for full fine-tuning)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     lora_rank: int = arg(32, "LoRA rank (ignored with --full-finetune)")
@@ -90,12 +90,12 @@ class Args:
     device: str = arg("auto", "auto, cpu, cuda")
 
     def __post_init__(self):
-        # Model-dependent defaults. The tiny CPU model is fully fine-tuned at 1e-3 (LoRA on its few weights
+        # Model-dependent defaults. The tiny CPU model is fully fine-tuned at 2e-3 (LoRA on its few weights
         # learns far less in two minutes); real models use LoRA at 3e-4, the paper's SD3.5-M setting.
         if self.full_finetune is None:
             self.full_finetune = self.model == "tiny"
         if self.lr is None:
-            self.lr = 1e-3 if self.model == "tiny" else 1e-5 if self.full_finetune else 3e-4
+            self.lr = 2e-3 if self.model == "tiny" else 1e-5 if self.full_finetune else 3e-4
 
 
 def parse_args(argv=None):
@@ -128,7 +128,8 @@ DEFAULT_PROMPTS = [
 
 
 def validate(args, world_size):
-    """Every check that needs no model, so a wrong flag fails in a second with one line."""
+    """Every check that needs no model, so a wrong flag fails in a second with one line. Also resolves
+    the default micro-batch, which depends on the per-process minibatch."""
     if args.model not in ("tiny", *MODEL_IDS) and not os.path.isdir(args.model) \
             and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.model):
         raise UsageError(f"unknown model '{args.model}': use tiny, {', '.join(MODEL_IDS)}, "
@@ -143,8 +144,7 @@ def validate(args, world_size):
         rewards_lib.parse_reward_spec(args.reward)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    for name in ("sample_steps", "iterations", "prompts_per_step", "n_mc", "inner_steps", "micro_batch",
-                 "save_every", "sample_every"):
+    for name in ("sample_steps", "iterations", "prompts_per_step", "n_mc", "inner_steps", "save_every", "sample_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.group_size < 2:
@@ -157,7 +157,9 @@ def validate(args, world_size):
     if args.group_size % args.inner_steps:
         raise UsageError(f"--inner-steps {args.inner_steps} must divide --group-size {args.group_size}")
     local_minibatch = args.prompts_per_step // world_size * args.group_size // args.inner_steps
-    if local_minibatch % args.micro_batch:
+    if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
+        args.micro_batch = math.gcd(local_minibatch, 16 if args.model == "tiny" else 4)
+    if args.micro_batch < 1 or local_minibatch % args.micro_batch:
         raise UsageError(f"--micro-batch {args.micro_batch} must divide the per-process minibatch of "
                          f"{local_minibatch} samples (P/world * G / inner-steps)")
     if args.clip_eps <= 0 or args.beta < 0 or args.adv_soft_clip < 0 or args.lr <= 0:
@@ -439,7 +441,7 @@ def load_family(args, device):
 
         name = MODEL_IDS.get(args.model, args.model)
         try:
-            pipe = StableDiffusion3Pipeline.from_pretrained(name, torch_dtype=torch.float32)
+            pipe = StableDiffusion3Pipeline.from_pretrained(name)  # float32 (mixed precision: a later issue)
         except (OSError, ValueError) as e:
             raise UsageError(f"could not load '{name}' ({type(e).__name__}): the weights are not available here; "
                              f"download them once with `hf download {name}` (accept the model's licence first) "

@@ -317,6 +317,8 @@ def test_resume_continues_exactly(tmp_path):
     full = run_script(*common, "--output-dir", tmp_path / "full")
     first = run_script(*common, "--iterations", "2", "--output-dir", tmp_path / "part")
     assert full.returncode == 0 and first.returncode == 0, full.stderr[-2000:] + first.stderr[-2000:]
+    with open(tmp_path / "part" / "metrics.jsonl", "a") as f:   # as if the run had died after iteration 3
+        f.write(json.dumps({"iteration": 3, "reward_mean": 0.0}) + "\n")
     rest = run_script(*common, "--output-dir", tmp_path / "part", "--resume", tmp_path / "part" / "checkpoint-2")
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert "resumed from" in rest.stdout

@@ -785,6 +785,16 @@ def describe(run, start):
     ])
 
 
+def trim_metrics(path, start):
+    """On resume, drop logged iterations after the checkpoint (a run that died later logged them)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["iteration"] <= start]
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
 def main(argv=None):
     args = parse_args(argv)
     import diffusers
@@ -799,8 +809,10 @@ def main(argv=None):
         os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)
         print(f"vgrpo: loading model '{args.model}' and reward '{args.reward}' ...", flush=True)
     run, start = build_run(args, rank, world, device)
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if master:
         print(describe(run, start), flush=True)
+        trim_metrics(metrics_path, start)
     history = []
     for it in range(start, args.iterations):
         stats, images, prompts, r, A = train_iteration(run, it)
@@ -808,7 +820,7 @@ def main(argv=None):
         history.append(m["reward_mean"])
         last = it + 1 == args.iterations
         if master:
-            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+            with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
             print(log_line(m, args.iterations), flush=True)
             if it == start or (it + 1) % args.sample_every == 0 or last:

@@ -39,6 +39,12 @@ def lora(out_dir, iteration):
     return load_file(os.path.join(out_dir, f"checkpoint-{iteration}", "pytorch_lora_weights.safetensors"))
 
 
+def weights(out_dir, iteration):
+    """The trained weights in a checkpoint: the LoRA file, or the full transformer's safetensors."""
+    full = os.path.join(out_dir, f"checkpoint-{iteration}", "transformer", "diffusion_pytorch_model.safetensors")
+    return load_file(full) if os.path.exists(full) else lora(out_dir, iteration)
+
+
 # --------------------------------------------------------------------------- group advantages
 
 
@@ -312,8 +318,9 @@ def test_two_processes_train_exactly_like_one(tmp_path):
         assert torch.allclose(w1[k], w2[k], rtol=1e-4, atol=1e-6), k
 
 
-def test_resume_continues_exactly(tmp_path):
-    common = [*FAST, "--iterations", "4", "--save-every", "2"]
+@pytest.mark.parametrize("mode", ["--no-full-finetune", "--full-finetune"])
+def test_resume_continues_exactly(tmp_path, mode):
+    common = [*FAST, "--iterations", "4", "--save-every", "2", mode]
     full = run_script(*common, "--output-dir", tmp_path / "full")
     first = run_script(*common, "--iterations", "2", "--output-dir", tmp_path / "part")
     assert full.returncode == 0 and first.returncode == 0, full.stderr[-2000:] + first.stderr[-2000:]
@@ -326,7 +333,8 @@ def test_resume_continues_exactly(tmp_path):
     assert [x["iteration"] for x in b] == [1, 2, 3, 4]
     for x, y in zip(a, b):
         assert x["reward_mean"] == y["reward_mean"] and x["grad_norm"] == y["grad_norm"]
-    w_full, w_part = lora(tmp_path / "full", 4), lora(tmp_path / "part", 4)
+    w_full, w_part, w_start = weights(tmp_path / "full", 4), weights(tmp_path / "part", 4), weights(tmp_path / "part", 2)
+    assert any(not torch.equal(w_full[k], w_start[k]) for k in w_full)   # training moved the weights
     for k in w_full:
         assert torch.equal(w_full[k], w_part[k]), k
 

@@ -6,11 +6,11 @@ Launch:
     python vgrpo.py                                            # CPU demo: tiny random SD3, JPEG reward, ~2 min
     python vgrpo.py --model sd3 --reward pickscore             # one GPU, SD3.5-Medium
     torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore
-    torchrun --nnodes=2 --node_rank=$RANK --master_addr=$HOST --master_port=29500 \
+    torchrun --nnodes=2 --node_rank=$NODE_RANK --master_addr=$MASTER --master_port=29500 \
         --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore:1,clipscore:1
     python vgrpo.py --resume runs/vgrpo/checkpoint-50 --iterations 100     # continue a run
 
-Where this code fills a gap in, or departs from, the paper (see README for the sources):
+Where this code fills a gap in, or departs from, the paper:
  1. The advantage uses the population std plus 1e-4 (the paper does not say which std); a group whose
     rewards are all equal gets exactly A = 0.
  2. Pairs are shared across the whole batch on every rank by default (`--pair-sharing batch`, as the
@@ -534,7 +534,7 @@ def old_surrogate(family, model, batch, args, n_prompts):
 
 def update(family, model, optimizer, params, batch, args, n_prompts):
     """--inner-steps optimizer steps on the clipped surrogate objective; returns averaged stats."""
-    stats, ratio_dev_first = {}, None
+    stats, ratio_dev_first = {}, 0.0
     per_mb = n_prompts * args.group_size // args.inner_steps
     chunks = list(micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch))
     for i, (k, idx) in enumerate(chunks):
@@ -547,8 +547,8 @@ def update(family, model, optimizer, params, batch, args, n_prompts):
                                   x0_new if args.beta > 0 else None,
                                   batch["x0_old"][idx] if args.beta > 0 else None)
             (loss * len(idx) / per_mb).backward()
-        if k == 0 and ratio_dev_first is None:  # before any optimizer step: must be exactly 0
-            ratio_dev_first = (torch.exp(s_new - batch["s_old"][idx]) - 1).abs().max().item()
+        if k == 0:  # before any optimizer step: must be exactly 0
+            ratio_dev_first = max(ratio_dev_first, (torch.exp(s_new - batch["s_old"][idx]) - 1).abs().max().item())
         for name, value in st.items():
             stats.setdefault(name, []).append(value)  # micro-batches are equal-sized: plain means
         if last_of_step:

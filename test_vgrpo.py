@@ -339,6 +339,21 @@ def test_resume_continues_exactly(tmp_path, mode):
         assert torch.equal(w_full[k], w_part[k]), k
 
 
+def test_keep_last_and_resume_auto_skip_incomplete_checkpoints(tmp_path):
+    p = run_script(*FAST, "--iterations", "4", "--save-every", "1", "--keep-last", "2", "--output-dir", tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(x for x in os.listdir(tmp_path) if x.startswith("checkpoint")) == ["checkpoint-3", "checkpoint-4"]
+    os.makedirs(tmp_path / "checkpoint-9.tmp")          # a save cut short before its rename
+    os.makedirs(tmp_path / "checkpoint-7")              # a folder without state.json
+    p = run_script(*FAST, "--iterations", "5", "--save-every", "1", "--keep-last", "2", "--resume", "auto",
+                   "--output-dir", tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoint-4'}" in p.stdout
+    assert [x["iteration"] for x in metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    fresh = run_script(*FAST, "--iterations", "1", "--resume", "auto", "--output-dir", tmp_path / "new")
+    assert fresh.returncode == 0 and "resumed" not in fresh.stdout, fresh.stderr[-3000:]
+
+
 def test_default_command_learns(tmp_path):
     """The README's demo: `python vgrpo.py` on 2 CPU cores, the reward of the last 10 iterations clearly
     above the first 10 (measured margins are in the README)."""

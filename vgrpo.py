@@ -84,8 +84,9 @@ class Args:
     full_finetune: bool = arg(None, "train every transformer weight instead of LoRA (default: on for tiny only)")
     seed: int = arg(0, "seed: every random draw is keyed by (seed, iteration, prompt, member)")
     output_dir: str = arg("runs/vgrpo", "where metrics.jsonl, sample grids and checkpoints go")
-    resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N)")
+    resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in --output-dir")
     save_every: int = arg(50, "save a checkpoint every N iterations (and always at the end)")
+    keep_last: int = arg(0, "keep only the newest N checkpoints (0 keeps all)")
     sample_every: int = arg(10, "save a PNG grid of rollout samples every N iterations")
     device: str = arg("auto", "auto, cpu, cuda")
 
@@ -168,6 +169,10 @@ def validate(args, world_size):
         raise UsageError(f"--resolution must be a multiple of 16 (0 for the model's default), got {args.resolution}")
     if args.prompts and not os.path.isfile(args.prompts):
         raise UsageError(f"prompt file not found: {args.prompts}")
+    if args.keep_last < 0:
+        raise UsageError(f"--keep-last must be 0 (keep all) or positive, got {args.keep_last}")
+    if args.resume == "auto":
+        args.resume = latest_checkpoint(args.output_dir) or ""  # nothing saved yet: start from scratch
     if args.resume and not os.path.isfile(os.path.join(args.resume, "state.json")):
         raise UsageError(f"--resume {args.resume}: not a checkpoint directory (no state.json)")
 
@@ -625,6 +630,26 @@ def save_checkpoint(output_dir, iteration, family, optimizer, args):
     return final
 
 
+def complete_checkpoints(output_dir):
+    """checkpoint-N folders that were fully written (renamed from .tmp, state.json inside), oldest first."""
+    found = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        if m and os.path.isfile(os.path.join(output_dir, name, "state.json")):
+            found.append((int(m.group(1)), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(output_dir):
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(output_dir, keep_last):
+    for path in complete_checkpoints(output_dir)[:-keep_last] if keep_last else []:
+        shutil.rmtree(path)
+
+
 def load_checkpoint(directory, family, optimizer, args, device):
     """Restore weights and optimizer from save_checkpoint's folder; returns the iteration to start at."""
     from safetensors.torch import load_file
@@ -828,6 +853,7 @@ def main(argv=None):
                                  images, prompts, r.cpu(), args.group_size)
             if (it + 1) % args.save_every == 0 or last:
                 save_checkpoint(args.output_dir, it + 1, run.family, run.optimizer, args)
+                prune_checkpoints(args.output_dir, args.keep_last)
         if ddp:
             dist.barrier()  # nobody runs ahead of a checkpoint being written
     if master and len(history) >= 2:

@@ -278,14 +278,12 @@ def draw_pairs(sigma_grid, n_mc, latent_shape, sample_ids, sharing, stratified, 
     rank; group: one draw per prompt group; none: one per sample. -> sigmas (B, N), eps (B, N, *lat).
     """
     grid = sigma_grid[:-1] if sigma_grid[-1] == 0 else sigma_grid
-    draws = {}
-    for prompt, member in sample_ids:
-        key = {"batch": (), "group": (prompt,), "none": (prompt, member)}[sharing]
-        if key not in draws:
-            g = keyed_generator(seed, "pairs", iteration, *key)
-            sig = stratified_sigmas(grid, n_mc, g) if stratified else grid[torch.randint(len(grid), (n_mc,), generator=g)]
-            draws[key] = (sig, torch.randn((n_mc, *latent_shape), generator=g))
     keys = [{"batch": (), "group": (p,), "none": (p, m)}[sharing] for p, m in sample_ids]
+    draws = {}
+    for key in dict.fromkeys(keys):  # one draw per distinct key, keyed so that any rank gets the same one
+        g = keyed_generator(seed, "pairs", iteration, *key)
+        sig = stratified_sigmas(grid, n_mc, g) if stratified else grid[torch.randint(len(grid), (n_mc,), generator=g)]
+        draws[key] = (sig, torch.randn((n_mc, *latent_shape), generator=g))
     return torch.stack([draws[k][0] for k in keys]), torch.stack([draws[k][1] for k in keys])
 
 

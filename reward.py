@@ -13,6 +13,7 @@ CLIP models without downloading anything.
 
 import io
 import math
+import os
 
 import torch
 
@@ -116,18 +117,94 @@ def load_clipscore(device):
     return clip_similarity_reward(model, processor, device, use_logit_scale=False)
 
 
+# --------------------------------------------------------------------------- remote and user rewards
+
+
+def http_reward(url, timeout=120.0, retries=3, backoff=2.0):
+    """A reward served over HTTP (GenEval, UnifiedReward, anything you serve). Protocol, JSON only:
+    POST {"prompts": [...], "metadata": [...], "images": ["<base64 PNG>", ...]} -> {"rewards": [float, ...]}.
+    A request that fails or times out is retried `retries` times, waiting backoff, 2 backoff, 4 backoff
+    seconds; then RewardError names the server. Nothing is ever unpickled from the network.
+    """
+    import base64
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    def fn(images, prompts, metadata=None):
+        encoded = []
+        for im in to_uint8_images(images):
+            buf = io.BytesIO()
+            im.save(buf, format="PNG")
+            encoded.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+        body = json.dumps({"prompts": list(prompts), "metadata": metadata or [{} for _ in prompts],
+                           "images": encoded}).encode()
+        error = None
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(backoff * 2 ** (attempt - 1))
+            try:
+                request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    answer = response.read()
+            except (OSError, urllib.error.URLError) as e:  # refused, timed out, HTTP 5xx, ...
+                error = f"{type(e).__name__}: {e}"
+                continue
+            try:
+                rewards = json.loads(answer)["rewards"]
+                return torch.tensor([float(x) for x in rewards], dtype=torch.float32)
+            except (ValueError, KeyError, TypeError):
+                raise RewardError(f"reward server {url} answered something that is not "
+                                  f'{{"rewards": [float, ...]}}: {answer[:120]!r}') from None
+        raise RewardError(f"reward server {url} failed {retries + 1} times ({error})")
+
+    return fn
+
+
+def python_reward(path, name):
+    """`--reward my_rewards.py:fn`: fn(images, prompts) -> (B,) from a file of your own, no registry edit."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"user_reward_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise RewardError(f"{path} has no function '{name}'")
+    return getattr(module, name)
+
+
 # --------------------------------------------------------------------------- registry and weighted sums
 
 REWARDS = {"jpeg": load_jpeg, "pickscore": load_pickscore, "clipscore": load_clipscore}
 
 
+def _split_weight(item):
+    """'name:w' -> ('name', 'w'). URLs keep their port: a trailing ':w' is a weight only after a path."""
+    if item.startswith(("http://", "https://")):
+        head, _, tail = item.rpartition(":")
+        after_scheme = head.split("://", 1)[1]
+        return (head, tail) if "/" in after_scheme and not tail.startswith("//") else (item, "")
+    if ".py:" in item:
+        path, _, rest = item.partition(".py:")
+        fn, _, weight = rest.partition(":")
+        return f"{path}.py:{fn}", weight
+    name, _, weight = item.partition(":")
+    return name, weight
+
+
 def parse_reward_spec(spec):
-    """'pickscore:1,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; ValueError if malformed."""
+    """'pickscore:1,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; ValueError if malformed.
+    Besides registry names: http(s)://host:port/path[:w] (a reward server) and file.py:function[:w]."""
     parts = []
     for item in spec.split(","):
-        name, _, weight = item.strip().partition(":")
-        if name not in REWARDS:
-            raise ValueError(f"unknown reward '{name}' in --reward {spec!r}; valid names: {', '.join(REWARDS)}")
+        name, weight = _split_weight(item.strip())
+        if ".py:" in name:
+            if not os.path.isfile(name.partition(".py:")[0] + ".py"):
+                raise ValueError(f"reward file not found: {name.partition('.py:')[0]}.py")
+        elif not name.startswith(("http://", "https://")) and name not in REWARDS:
+            raise ValueError(f"unknown reward '{name}' in --reward {spec!r}; valid names: {', '.join(REWARDS)}, "
+                             "http(s)://host:port/path or file.py:function")
         try:
             w = float(weight) if weight else 1.0
         except ValueError:
@@ -139,25 +216,39 @@ def parse_reward_spec(spec):
 
 
 class WeightedReward:
-    """Sum of weighted rewards; `last_parts` keeps each component of the last call for logging."""
+    """Sum of weighted rewards, checked at the boundary: each part must return a float tensor of shape
+    (B,), else RewardError names it. `last_parts` keeps each component of the last call for logging;
+    `nonfinite` names the parts whose last values were NaN or Inf (the trainer then skips the update)."""
 
     def __init__(self, parts):
         self.parts = parts  # list of (name, weight, fn)
-        self.last_parts = {}
+        self.last_parts, self.nonfinite = {}, []
 
     def __call__(self, images, prompts):
         total = torch.zeros(len(images), dtype=torch.float32)
+        self.nonfinite = []
         for name, weight, fn in self.parts:
             r = fn(images, prompts)
             if not isinstance(r, torch.Tensor) or r.shape != (len(images),) or not r.is_floating_point():
                 raise RewardError(f"reward '{name}' returned {type(r).__name__} "
                                   f"{tuple(getattr(r, 'shape', ()))}, expected a float tensor of shape ({len(images)},)")
             r = r.detach().float().cpu()
+            if not torch.isfinite(r).all():
+                self.nonfinite.append(name)
             self.last_parts[name] = r
             total += weight * r
         return total
 
 
+def _load_one(name, device):
+    if name.startswith(("http://", "https://")):
+        return http_reward(name)
+    if ".py:" in name:
+        path, _, fn = name.partition(".py:")
+        return python_reward(path + ".py", fn)
+    return REWARDS[name](device)
+
+
 def load_reward(spec, device="cpu"):
     """Build the reward function for a spec such as 'jpeg' or 'pickscore:1,clipscore:0.5'."""
-    return WeightedReward([(name, w, REWARDS[name](device)) for name, w in parse_reward_spec(spec)])
+    return WeightedReward([(name, w, _load_one(name, device)) for name, w in parse_reward_spec(spec)])

@@ -4,6 +4,7 @@ CPU only, offline: every model is a tiny random one built in code."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -462,5 +463,250 @@ def test_prompts_that_do_not_split_over_processes_are_refused(tmp_path):
     p = run_script("--prompts-per-step", "3", "--micro-batch", "4", "--output-dir", tmp_path, nproc=2, timeout=300)
     assert p.returncode != 0
     # torchrun adds its own report; each process's own message is the one clear line
-    assert "vgrpo: error: --prompts-per-step 3 is not divisible by the 2 processes" in p.stderr
+    # (whichever rank speaks first: the launcher stops the other)
+    assert re.search(r"vgrpo: error \(rank [01]\): --prompts-per-step 3 is not divisible by the 2 processes", p.stderr)
     assert 'vgrpo.py", line' not in p.stderr
+
+
+# --------------------------------------------------------------------------- faults (each test provokes one)
+
+FAULTY_REWARDS = '''
+import os
+import torch
+
+calls = [0]
+
+
+def brightness(images, prompts):
+    return images.mean((1, 2, 3)).float()
+
+
+def nan_at_second_call(images, prompts):
+    calls[0] += 1
+    r = brightness(images, prompts)
+    if calls[0] == 2:
+        r[0] = float("nan")
+    return r
+
+
+def always_nan(images, prompts):
+    return torch.full((len(images),), float("nan"))
+
+
+def wrong_shape(images, prompts):
+    return torch.zeros(len(images), 2)
+
+
+def raise_on_rank_1(images, prompts):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("reward exploded on purpose")
+    return brightness(images, prompts)
+'''
+
+
+@pytest.fixture
+def faulty(tmp_path):
+    path = tmp_path / "faulty.py"
+    path.write_text(FAULTY_REWARDS)
+    return str(path)
+
+
+def test_nan_reward_skips_the_update_on_that_iteration(tmp_path, faulty):
+    p = run_script(*FAST, "--reward", f"{faulty}:nan_at_second_call", "--save-every", "1", "--output-dir", tmp_path / "o")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "iteration 2: non-finite values from" in p.stderr and "nan_at_second_call" in p.stderr
+    m = metrics(tmp_path / "o")
+    assert [x["skipped_steps"] for x in m] == [0, 1, 0]
+    before, skipped, after = (weights(tmp_path / "o", i) for i in (1, 2, 3))
+    assert all(torch.equal(before[k], skipped[k]) for k in before)       # iteration 2 left the weights alone
+    assert any(not torch.equal(skipped[k], after[k]) for k in before)    # iteration 3 trained again
+    assert all(torch.isfinite(v).all() for v in after.values())
+
+
+def test_persistent_nan_stops_the_run_after_max_bad_steps(tmp_path, faulty):
+    p = run_script(*FAST, "--reward", f"{faulty}:always_nan", "--max-bad-steps", "2", "--iterations", "6",
+                   "--output-dir", tmp_path)
+    assert p.returncode == 1
+    assert "vgrpo: error: 2 consecutive iterations with NaN/Inf" in p.stderr and "Traceback" not in p.stderr
+    assert len(metrics(tmp_path)) == 2
+
+
+def test_nonfinite_gradient_skips_the_optimizer_step():
+    args = vgrpo.Args(prompts_per_step=2, group_size=4, sample_steps=6, micro_batch=4)
+    run, _ = vgrpo.build_run(args, 0, 1, torch.device("cpu"))
+    cond = run.family.encode(["a cat"] * 4 + ["a dog"] * 4)
+    o = vgrpo.rollout(run.family, run.family.transformer, cond, torch.randn(8, *run.family.latent_shape), run.sigmas, args)
+    sig, eps = vgrpo.draw_pairs(run.sigmas, args.n_mc, run.family.latent_shape,
+                                [(p, m) for p in range(2) for m in range(4)], "batch", True, 0, 0)
+    batch = {"o": o, "cond": cond, "sigmas": sig, "eps": eps, "x0_old": None}
+    batch["s_old"], _ = vgrpo.old_surrogate(run.family, run.family.transformer, batch, args, 2)
+    start = [p.detach().clone() for p in run.params]
+    batch["A"] = torch.tensor([1.0, -1.0, float("inf"), 0.0] * 2)
+    stats = vgrpo.update(run.family, run.model, run.optimizer, run.params, batch, args, 2)
+    assert stats["skipped_steps"] == 1 and not np.isfinite(stats["grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(start, run.params))
+    batch["A"] = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
+    stats = vgrpo.update(run.family, run.model, run.optimizer, run.params, batch, args, 2)
+    assert stats["skipped_steps"] == 0 and any(not torch.equal(a, b) for a, b in zip(start, run.params))
+
+
+def test_reward_with_the_wrong_shape_is_named(tmp_path, faulty):
+    p = run_script(*FAST, "--reward", f"jpeg,{faulty}:wrong_shape", "--output-dir", tmp_path)
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines()[-1] == (f"vgrpo: error: reward '{faulty}:wrong_shape' returned Tensor (8, 2), "
+                                                 "expected a float tensor of shape (8,)")
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_auto_continues(tmp_path):
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "vgrpo.py"), *FAST, "--iterations", "100",
+                             "--save-every", "1000", "--output-dir", str(tmp_path)],
+                            env=ENV, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(tmp_path / "metrics.jsonl") and len(metrics(tmp_path)) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    done = len(metrics(tmp_path))
+    assert 2 <= done < 100 and f"stopped after iteration {done}" in out
+    assert vgrpo.latest_checkpoint(str(tmp_path)) == str(tmp_path / f"checkpoint-{done}")
+    p = run_script(*FAST, "--iterations", done + 1, "--resume", "auto", "--output-dir", tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [x["iteration"] for x in metrics(tmp_path)] == list(range(1, done + 2))
+
+
+def test_one_failing_rank_stops_every_rank_quickly(tmp_path, faulty):
+    import time
+    t0 = time.time()
+    p = run_script(*FAST, "--reward", f"{faulty}:raise_on_rank_1", "--dist-timeout", "60", "--output-dir", tmp_path,
+                   nproc=2, timeout=300)
+    assert p.returncode != 0
+    assert "reward exploded on purpose" in p.stderr and "vgrpo: rank 1 failed" in p.stderr
+    assert time.time() - t0 < 150
+
+
+def test_ranks_with_different_configurations_refuse_to_start(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, lr in ((0, "1e-3"), (1, "2e-3")):
+        env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "vgrpo.py"), *FAST, "--lr", lr,
+                                       "--output-dir", str(tmp_path)], env=env, cwd=HERE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 1
+        assert "rank 1 runs a different configuration than rank 0" in err
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
+    (tmp_path / "latin1.txt").write_bytes("a cat\n\nun caf\xe9\n".encode("latin-1"))
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    (tmp_path / "a_file").write_text("")
+    cases = [
+        (["--prompts", tmp_path / "latin1.txt"], "line 3: not UTF-8"),
+        (["--prompts", tmp_path / "blank.txt"], "has no prompts"),
+        (["--output-dir", tmp_path / "a_file" / "out"], "is not writable"),
+        (["--resume", short_run[0] / "checkpoint-3", "--no-full-finetune", "--lora-rank", "8"],
+         "belongs to a different configuration: --lora-rank 32 there, 8 here"),
+    ]
+    for flags, message in cases:
+        p = run_script("--output-dir", tmp_path / "out", *flags, "--iterations", "1", timeout=300)
+        assert p.returncode == 2, (flags, p.stderr[-2000:])
+        assert p.stderr.strip().startswith("vgrpo: error: ") and message in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def _serve(mode, seen):
+    """A reward server on localhost: ok (mean brightness), slow (never answers in time), garbage."""
+    import base64
+    import http.server
+    import io
+    import threading
+    import time
+    from PIL import Image
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            if mode == "slow":
+                time.sleep(1.0)
+            images = [np.asarray(Image.open(io.BytesIO(base64.b64decode(b)))) / 255 for b in body["images"]]
+            answer = b"<html>oops</html>" if mode == "garbage" else \
+                json.dumps({"rewards": [float(im.mean()) for im in images]}).encode()
+            try:
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(answer)
+            except OSError:
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/score"
+
+
+def test_http_reward_against_a_local_server():
+    seen = []
+    server, url = _serve("ok", seen)
+    try:
+        images = _images()
+        got = reward.load_reward(url)(images, ["a", "b", "c", "d"])
+        want = [np.asarray(im).mean() / 255 for im in reward.to_uint8_images(images)]
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+        assert seen[0]["prompts"] == ["a", "b", "c", "d"] and len(seen[0]["metadata"]) == 4
+        assert reward.parse_reward_spec(f"{url}:0.5,jpeg") == [(url, 0.5), ("jpeg", 1.0)]
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["slow", "garbage", "down"])
+def test_http_reward_failures_name_the_server(mode):
+    import time
+    seen = []
+    if mode == "down":
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}/score"   # nothing listens there once closed
+        server = None
+    else:
+        server, url = _serve(mode, seen)
+    try:
+        fn = reward.http_reward(url, timeout=0.3, retries=2, backoff=0.1)
+        t0 = time.time()
+        with pytest.raises(reward.RewardError, match=url.replace("/", "/")) as e:
+            fn(_images(), ["a"] * 4)
+        if mode == "garbage":
+            assert "answered something" in str(e.value) and len(seen) == 1
+        else:
+            assert "failed 3 times" in str(e.value)
+            assert time.time() - t0 >= 0.1 + 0.2                 # backoff 0.1 s, then 0.2 s
+        if mode == "slow":
+            assert len(seen) == 3
+    finally:
+        if server:
+            server.shutdown()
+
+
+def test_training_with_a_reward_server(tmp_path):
+    seen = []
+    server, url = _serve("ok", seen)
+    try:
+        p = run_script(*FAST, "--iterations", "1", "--reward", url, "--output-dir", tmp_path)
+    finally:
+        server.shutdown()
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(seen) == 1 and len(seen[0]["images"]) == 8
+    assert 0 < metrics(tmp_path)[0]["reward_mean"] < 1

@@ -32,12 +32,14 @@ Where this code fills a gap in, or departs from, the paper:
 import contextlib
 import copy
 import dataclasses
+import datetime
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -87,6 +89,8 @@ class Args:
     resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in --output-dir")
     save_every: int = arg(50, "save a checkpoint every N iterations (and always at the end)")
     keep_last: int = arg(0, "keep only the newest N checkpoints (0 keeps all)")
+    max_bad_steps: int = arg(3, "stop after this many consecutive iterations with NaN/Inf rewards, losses or gradients")
+    dist_timeout: int = arg(600, "seconds a collective may wait for another rank before the run fails (no hangs)")
     sample_every: int = arg(10, "save a PNG grid of rollout samples every N iterations")
     device: str = arg("auto", "auto, cpu, cuda")
 
@@ -113,8 +117,18 @@ def parse_args(argv=None):
     return Args(**vars(p.parse_args(argv)))
 
 
-class UsageError(Exception):
-    """Bad input or a missing resource: printed as one line, exit code 2, no traceback."""
+class FatalError(Exception):
+    """A failure the user must act on: printed as one line, no traceback."""
+    exit_code = 1
+
+
+class UsageError(FatalError):
+    """Bad input or a missing resource, found before training starts: exit code 2."""
+    exit_code = 2
+
+
+# checkpoint settings that must match to resume; everything else may change (a curriculum changes rewards)
+RESUME_MUST_MATCH = ("model", "full_finetune", "lora_rank", "lora_alpha", "resolution")
 
 
 SAMPLERS = ("dpmpp2m", "euler")
@@ -169,19 +183,45 @@ def validate(args, world_size):
         raise UsageError(f"--resolution must be a multiple of 16 (0 for the model's default), got {args.resolution}")
     if args.prompts and not os.path.isfile(args.prompts):
         raise UsageError(f"prompt file not found: {args.prompts}")
-    if args.keep_last < 0:
-        raise UsageError(f"--keep-last must be 0 (keep all) or positive, got {args.keep_last}")
+    if args.keep_last < 0 or args.max_bad_steps < 1 or args.dist_timeout < 1:
+        raise UsageError("--keep-last must be >= 0, --max-bad-steps and --dist-timeout >= 1")
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.output_dir).close()
+    except OSError as e:
+        raise UsageError(f"--output-dir {args.output_dir} is not writable ({e.strerror or e})") from None
     if args.resume == "auto":
         args.resume = latest_checkpoint(args.output_dir) or ""  # nothing saved yet: start from scratch
-    if args.resume and not os.path.isfile(os.path.join(args.resume, "state.json")):
+    if args.resume:
+        check_resume_matches(args)
+
+
+def check_resume_matches(args):
+    state_file = os.path.join(args.resume, "state.json")
+    if not os.path.isfile(state_file):
         raise UsageError(f"--resume {args.resume}: not a checkpoint directory (no state.json)")
+    with open(state_file) as f:
+        saved = json.load(f)["args"]
+    keys = [k for k in RESUME_MUST_MATCH if not (k.startswith("lora") and args.full_finetune)]
+    diff = [f"--{k.replace('_', '-')} {saved.get(k)} there, {getattr(args, k)} here" for k in keys
+            if saved.get(k) != getattr(args, k)]
+    if diff:
+        raise UsageError(f"--resume {args.resume} belongs to a different configuration: {'; '.join(diff)}")
 
 
 def load_prompts(path):
+    """One prompt per line, blank lines skipped; an empty or non-UTF-8 file is refused."""
     if not path:
         return list(DEFAULT_PROMPTS)
-    with open(path, encoding="utf-8") as f:
-        prompts = [line.strip() for line in f if line.strip()]
+    prompts = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise UsageError(f"prompt file {path}, line {number}: not UTF-8 text") from None
+            if line:
+                prompts.append(line)
     if not prompts:
         raise UsageError(f"prompt file {path} has no prompts")
     return prompts
@@ -555,11 +595,18 @@ def update(family, model, optimizer, params, batch, args, n_prompts):
         for name, value in st.items():
             stats.setdefault(name, []).append(value)  # micro-batches are equal-sized: plain means
         if last_of_step:
-            stats.setdefault("grad_norm", []).append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item())
-            optimizer.step()
+            # gradients are already averaged over ranks, so every rank takes the same decision here
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+            stats.setdefault("grad_norm", []).append(grad_norm)
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            else:  # a NaN / Inf loss or gradient: drop this step, the weights stay finite
+                stats.setdefault("skipped_steps", []).append(1)
             optimizer.zero_grad(set_to_none=True)
+    skipped = len(stats.pop("skipped_steps", []))
     out = {name: sum(v) / len(v) for name, v in stats.items() if name not in ("ratio_min", "ratio_max")}
-    out.update(ratio_min=min(stats["ratio_min"]), ratio_max=max(stats["ratio_max"]), ratio_dev_first=ratio_dev_first)
+    out.update(ratio_min=min(stats["ratio_min"]), ratio_max=max(stats["ratio_max"]),
+               ratio_dev_first=ratio_dev_first, skipped_steps=skipped)
     return out
 
 
@@ -567,7 +614,7 @@ def update(family, model, optimizer, params, batch, args, n_prompts):
 # --------------------------------------------------------------------------- distributed plumbing
 
 
-def setup_distributed(device_arg):
+def setup_distributed(device_arg, timeout_s=600):
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them this is a single process.
     Nothing else about distribution leaks into the loop: ranks own whole prompt groups."""
     ddp = "RANK" in os.environ
@@ -577,8 +624,34 @@ def setup_distributed(device_arg):
     if use_cuda:
         torch.cuda.set_device(device)
     if ddp:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        # a bounded timeout: a rank that died or hangs makes the others fail instead of waiting forever
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return ddp, rank, world, device
+
+
+def any_rank(flag, world, device):
+    """True on every rank if `flag` is true on any rank."""
+    if world == 1:
+        return bool(flag)
+    t = torch.tensor([float(bool(flag))], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def check_ranks_agree(run):
+    """At start: every rank must run the same configuration from the same weights, else one line and exit."""
+    if run.world == 1:
+        return
+    config = json.dumps(dataclasses.asdict(run.args), sort_keys=True).encode()
+    digest = int.from_bytes(hashlib.blake2b(config, digest_size=7).digest(), "little")
+    weights = torch.stack([p.detach().double().sum() for p in run.family.transformer.parameters()]).sum()
+    mine = torch.tensor([float(digest), weights.item()], dtype=torch.float64, device=run.device)
+    everyone = all_gather_cat(mine.unsqueeze(0), run.world)
+    for rank, other in enumerate(everyone):
+        if other[0] != everyone[0][0]:
+            raise FatalError(f"rank {rank} runs a different configuration than rank 0: launch every node with the same flags")
+        if other[1] != everyone[0][1]:
+            raise FatalError(f"rank {rank} starts from different weights than rank 0 (model files differ between nodes?)")
 
 
 def all_gather_cat(t, world):
@@ -609,6 +682,8 @@ def reduce_stats(stats, world, device):
 def save_checkpoint(output_dir, iteration, family, optimizer, args):
     """OUTPUT/checkpoint-N/: LoRA (pytorch_lora_weights.safetensors, loadable by pipe.load_lora_weights)
     or the full transformer, the optimizer state and the step. Written to a .tmp folder, then renamed."""
+    if not all(torch.isfinite(p).all() for p in family.transformer.parameters()):
+        raise FatalError(f"refusing to save non-finite weights at iteration {iteration}")
     final = os.path.join(output_dir, f"checkpoint-{iteration}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -731,9 +806,21 @@ def train_iteration(run, it):
     images = torch.cat([family.decode(o[idx]) for idx in torch.arange(len(o)).split(args.micro_batch)])
     t1 = time.perf_counter()
     # 2. Reward, 3. group-normalised advantages (each rank owns whole groups: no communication)
-    r = run.reward_fn(images, prompts).to(run.device)
+    try:
+        r = run.reward_fn(images, prompts).to(run.device)
+    except rewards_lib.RewardError as e:  # a broken reward server or a reward returning the wrong shape
+        raise FatalError(str(e)) from None
     A = group_advantages(r, G, soft_clip=args.adv_soft_clip or None)
     t2 = time.perf_counter()
+    local_bad = not (torch.isfinite(r).all() and torch.isfinite(A).all())
+    if local_bad:
+        names = ", ".join(getattr(run.reward_fn, "nonfinite", [])) or "the reward"
+        print(f"vgrpo: rank {run.rank}, iteration {it + 1}: non-finite values from {names}; update skipped",
+              file=sys.stderr, flush=True)
+    if any_rank(local_bad, run.world, run.device):  # every rank skips together, or DDP would hang
+        stats = dict(SKIPPED_STATS, skipped_steps=args.inner_steps, time_rollout=t1 - t0, time_reward=t2 - t1,
+                     time_old=0.0, time_update=0.0)
+        return stats, images, prompts, r, A
     # 4. Shared, stratified pairs and the old surrogate, stored once and never recomputed
     sig, eps = draw_pairs(run.sigmas, args.n_mc, family.latent_shape, sample_ids, args.pair_sharing,
                           args.stratified, args.seed, it)
@@ -747,6 +834,10 @@ def train_iteration(run, it):
     stats.update({f"reward_{k}": v.mean().item() for k, v in getattr(run.reward_fn, "last_parts", {}).items()
                   if len(run.reward_fn.parts) > 1})
     return stats, images, prompts, r, A
+
+
+SKIPPED_STATS = {k: float("nan") for k in ("policy_loss", "kl", "clip_frac", "ratio_mean", "ratio_min", "ratio_max",
+                                           "ratio_dev_first", "grad_norm")}
 
 
 def iteration_metrics(run, it, stats, r, A):
@@ -818,6 +909,23 @@ def trim_metrics(path, start):
         f.writelines(keep)
 
 
+def install_stop_handlers():
+    """SIGTERM (cluster preemption) and SIGINT ask the loop to checkpoint and stop after the current
+    iteration; a second signal stops at once."""
+    requested = []
+
+    def handler(signum, frame):
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(signal.Signals(signum).name)
+        print(f"vgrpo: {requested[0]} received: saving a checkpoint after this iteration (again to quit now)",
+              file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return requested
+
+
 def main(argv=None):
     args = parse_args(argv)
     import diffusers
@@ -826,22 +934,26 @@ def main(argv=None):
     diffusers.utils.logging.set_verbosity_error()  # per-prompt truncation notices would drown the log
     transformers.utils.logging.set_verbosity_error()
     validate(args, int(os.environ.get("WORLD_SIZE", 1)))
-    ddp, rank, world, device = setup_distributed(args.device)
+    stop_requested = install_stop_handlers()
+    ddp, rank, world, device = setup_distributed(args.device, args.dist_timeout)
     master = rank == 0
     if master:
         os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)
         print(f"vgrpo: loading model '{args.model}' and reward '{args.reward}' ...", flush=True)
     run, start = build_run(args, rank, world, device)
+    check_ranks_agree(run)
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if master:
         print(describe(run, start), flush=True)
         trim_metrics(metrics_path, start)
-    history = []
+    history, bad_streak = [], 0
     for it in range(start, args.iterations):
         stats, images, prompts, r, A = train_iteration(run, it)
         m = iteration_metrics(run, it, stats, r, A)
         history.append(m["reward_mean"])
-        last = it + 1 == args.iterations
+        bad_streak = bad_streak + 1 if m["skipped_steps"] else 0
+        stop = any_rank(stop_requested, world, device)
+        last = it + 1 == args.iterations or stop
         if master:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
@@ -854,6 +966,14 @@ def main(argv=None):
                 prune_checkpoints(args.output_dir, args.keep_last)
         if ddp:
             dist.barrier()  # nobody runs ahead of a checkpoint being written
+        if bad_streak >= args.max_bad_steps:
+            raise FatalError(f"{bad_streak} consecutive iterations with NaN/Inf rewards, losses or gradients "
+                             f"(--max-bad-steps {args.max_bad_steps}); the last checkpoint holds finite weights")
+        if stop:
+            if master:
+                print(f"vgrpo: stopped after iteration {it + 1}; checkpoint-{it + 1} saved. Continue with the "
+                      f"same command plus --resume auto", flush=True)
+            break
     if master and len(history) >= 2:
         k = min(10, len(history) // 2)
         print(f"vgrpo: done. mean reward of the first {k} iterations {sum(history[:k]) / k:+.5f}, "
@@ -866,6 +986,19 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except UsageError as e:
-        print(f"vgrpo: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except FatalError as e:
+        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
+        print(f"vgrpo: error{where}: {e}", file=sys.stderr, flush=True)
+        if "RANK" in os.environ:
+            os._exit(e.exit_code)  # do not wait in collectives for ranks that may not fail
+        sys.exit(e.exit_code)
+    except Exception:
+        if "RANK" not in os.environ:
+            raise
+        # one rank failed (a reward that raises, an OOM): print the original error and leave at once, so the
+        # launcher stops the other ranks instead of letting them wait in a collective
+        import traceback
+
+        traceback.print_exc()
+        print(f"vgrpo: rank {os.environ['RANK']} failed; stopping every rank", file=sys.stderr, flush=True)
+        os._exit(1)

@@ -2,11 +2,15 @@
 and an analytic ODE, and whole runs launched as a user would (subprocess, torchrun with 2 processes).
 CPU only, offline: every model is a tiny random one built in code."""
 
+import dataclasses
+import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -31,9 +35,13 @@ def run_script(*args, nproc=None, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+def read(path):
+    with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def metrics(out_dir):
+    return read(os.path.join(out_dir, "metrics.jsonl"))
 
 
 def lora(out_dir, iteration):
@@ -78,6 +86,22 @@ def test_group_size_one_is_refused():
 
 
 # --------------------------------------------------------------------------- stratified sigmas and pairs
+
+
+def test_per_reward_advantages_normalise_each_reward_then_sum():
+    rng = np.random.default_rng(3)
+    r1, r2 = rng.normal(size=8), 1000 * rng.normal(size=8)   # very different scales
+    r2[4:] = 7.0                                             # reward 2 all equal in group 2
+    want = []
+    for g in range(2):
+        a = 0.0
+        for r, w in ((r1, 1.0), (r2, 0.5)):
+            x = r[4 * g:4 * g + 4]
+            a = a + w * (x - x.mean()) / (x.std() + 1e-4)
+        want.append(2.0 * np.tanh(a / 2.0))
+    got = vgrpo.per_reward_advantages({"a": torch.tensor(r1), "b": torch.tensor(r2)}, {"a": 1.0, "b": 0.5}, 4,
+                                      soft_clip=2.0)
+    np.testing.assert_allclose(got.numpy(), np.concatenate(want), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("steps,n", [(10, 4), (10, 10), (7, 3), (40, 4)])
@@ -223,13 +247,49 @@ def test_euler_rollout_reproduces_stable_diffusion3_pipeline(tiny, guidance):
     assert (got - want).abs().max().item() < 1e-5
 
 
+@pytest.fixture(scope="module")
+def tiny_flux():
+    return vgrpo.load_family(vgrpo.Args(model="tiny-flux"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("guidance", [3.5, 1.0])
+def test_euler_rollout_reproduces_flux_pipeline(tiny_flux, guidance):
+    """Packed latents, image ids, the guidance embedding and FLUX's resolution-shifted schedule: the same
+    latents as FluxPipeline with the same noise."""
+    fam = vgrpo.FluxFamily(tiny_flux.pipe, 32, 16, torch.device("cpu"), guidance=guidance)
+    prompts = ["a red apple", "a blue car on a road"]
+    noise = torch.randn(2, *fam.latent_shape, generator=torch.Generator().manual_seed(1))
+    want = fam.pipe(prompt=prompts, num_inference_steps=8, guidance_scale=guidance, latents=noise.clone(), height=32,
+                    width=32, max_sequence_length=16, output_type="latent").images
+    args = vgrpo.Args(model="tiny-flux", sampler="euler", guidance=guidance, micro_batch=2)
+    got = vgrpo.rollout(fam, fam.transformer, fam.encode(prompts), noise, fam.sigma_grid(8), args)
+    assert got.shape == (2, 64, 16)
+    assert (got - want).abs().max().item() < 1e-5
+    assert (fam.decode(got) - fam.pipe.image_processor.postprocess(
+        fam.vae_decode(fam.pipe._unpack_latents(want, 32, 32, 2)) * 2 - 1, output_type="pt")).abs().max() < 1e-5
+
+
+def test_prompt_embeddings_are_cached_per_prompt_within_a_byte_budget(tiny_flux):
+    fam = vgrpo.FluxFamily(tiny_flux.pipe, 32, 16, torch.device("cpu"))
+    alone = [fam.encode([p]) for p in ("a cat", "a dog", "a fox")]
+    one_entry = sum(t.numel() * t.element_size() for t in fam._cache["a cat"])
+    fam._cache.clear()
+    fam.cache_bytes = 2 * one_entry                      # room for two prompts
+    batch = fam.encode(["a dog", "a cat", "a dog"])
+    assert all(torch.equal(b, torch.stack([alone[1][k][0], alone[0][k][0], alone[1][k][0]])) for k, b in enumerate(batch))
+    fam.encode(["a fox"])
+    assert list(fam._cache) == ["a cat", "a fox"]        # "a dog", used least recently, was dropped
+
+
 # --------------------------------------------------------------------------- ratio before the first step
 
 
-@pytest.mark.parametrize("inner_steps,micro_batch", [(1, 8), (2, 2)])
-def test_ratio_is_exactly_one_before_the_first_update(inner_steps, micro_batch):
-    args = vgrpo.Args(prompts_per_step=2, group_size=4, sample_steps=6, inner_steps=inner_steps,
-                      micro_batch=micro_batch, beta=0.1)
+@pytest.mark.parametrize("model,precision,full,inner_steps,micro_batch", [
+    ("tiny", "no", True, 1, 8), ("tiny", "no", True, 2, 2), ("tiny", "bf16", False, 2, 2),
+    ("tiny-flux", "no", False, 2, 2), ("tiny-flux", "bf16", True, 1, 8), ("tiny-flux", "fp16", False, 1, 4)])
+def test_ratio_is_exactly_one_before_the_first_update(model, precision, full, inner_steps, micro_batch):
+    args = vgrpo.Args(model=model, prompts_per_step=2, group_size=4, sample_steps=6, inner_steps=inner_steps,
+                      micro_batch=micro_batch, beta=0.1, mixed_precision=precision, full_finetune=full)
     run, _ = vgrpo.build_run(args, 0, 1, torch.device("cpu"))
     ids = [(p, m) for p in range(2) for m in range(4)]
     cond = run.family.encode(["a cat"] * 4 + ["a dog"] * 4)
@@ -243,9 +303,13 @@ def test_ratio_is_exactly_one_before_the_first_update(inner_steps, micro_batch):
             break
         s_new, x0_new = vgrpo.surrogate(run.family, run.model, o[idx], sig[idx], eps[idx],
                                         vgrpo.take(cond, idx), args.weighting)
-        assert s_new.requires_grad
+        assert s_new.requires_grad and s_new.dtype == torch.float32   # the surrogate stays float32
         assert torch.equal(torch.exp(s_new - s_old[idx]), torch.ones(len(idx)))
         assert torch.equal(x0_new, x0_old[idx])
+    if precision != "no":  # the matmuls really ran in low precision, the trained weights did not
+        assert all(p.dtype == torch.float32 for p in run.params)
+        frozen = {p.dtype for p in run.family.transformer.parameters() if not p.requires_grad}
+        assert frozen == (set() if full else {vgrpo.AMP_DTYPES[precision]})
 
 
 # --------------------------------------------------------------------------- whole runs
@@ -303,7 +367,9 @@ def test_saved_lora_loads_into_stable_diffusion3_pipeline(short_run, tiny):
 
 
 def test_two_processes_train_exactly_like_one(tmp_path):
-    common = [*FAST, "--iterations", "2", "--inner-steps", "2", "--micro-batch", "2", "--pair-sharing", "group"]
+    (tmp_path / "eval.txt").write_text("a red cube\na green ball\na blue cone\n")   # 3 prompts: 2 + 1 per rank
+    common = [*FAST, "--iterations", "2", "--inner-steps", "2", "--micro-batch", "2", "--pair-sharing", "group",
+              "--eval-prompts", tmp_path / "eval.txt", "--eval-every", "2"]
     one = run_script(*common, "--output-dir", tmp_path / "one")
     two = run_script(*common, "--output-dir", tmp_path / "two", nproc=2)
     assert one.returncode == 0, one.stderr[-3000:]
@@ -313,6 +379,10 @@ def test_two_processes_train_exactly_like_one(tmp_path):
     for a, b in zip(m1, m2):
         assert a["reward_std"] == pytest.approx(b["reward_std"], rel=1e-5)
         assert a["ratio_max"] == pytest.approx(b["ratio_max"], rel=1e-5)
+    e1, e2 = (read(tmp_path / d / "eval.jsonl") for d in ("one", "two"))
+    assert [x["iteration"] for x in e1] == [x["iteration"] for x in e2] == [0, 2]
+    assert e1[0]["eval_jpeg"] == pytest.approx(e2[0]["eval_jpeg"], rel=1e-12)     # the same images, summed over ranks
+    assert e1[1]["eval_jpeg"] == pytest.approx(e2[1]["eval_jpeg"], rel=1e-4)
     w1, w2 = lora(tmp_path / "one", 2), lora(tmp_path / "two", 2)
     assert w1.keys() == w2.keys()
     for k in w1:
@@ -367,6 +437,114 @@ def test_default_command_learns(tmp_path):
     first, last = np.mean(r[:10]), np.mean(r[-10:])
     spread = np.mean([x["reward_std"] for x in metrics(tmp_path)[:10]])
     assert last - first > spread, (first, last, spread)
+
+
+def test_tiny_flux_trains_with_bf16_and_checkpointing_and_its_lora_loads_into_flux_pipeline(tmp_path, tiny_flux):
+    p = run_script("--model", "tiny-flux", *FAST, "--inner-steps", "2", "--micro-batch", "2", "--mixed-precision",
+                   "bf16", "--gradient-checkpointing", "--output-dir", tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "64 image tokens" in p.stdout and "bf16 matmuls" in p.stdout
+    m = metrics(tmp_path)
+    assert [x["iteration"] for x in m] == [1, 2, 3]
+    assert all(x["ratio_dev_first"] == 0.0 and np.isfinite(x["grad_norm"]) for x in m)
+    assert any(x["ratio_max"] > 1.0 or x["ratio_min"] < 1.0 for x in m)  # the second inner step moved
+    lora_file = lora(tmp_path, 3)
+    assert any("single_transformer_blocks" in k for k in lora_file) and all(v.dtype == torch.float32 for v in lora_file.values())
+
+    def images(pipe):
+        return pipe(prompt="a cat", num_inference_steps=4, height=32, width=32, max_sequence_length=16,
+                    guidance_scale=3.5, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    pipe = vgrpo.build_tiny_flux_pipeline()
+    base = images(pipe)
+    pipe.load_lora_weights(str(tmp_path / "checkpoint-3"))
+    tuned = images(pipe)
+    args = vgrpo.Args(model="tiny-flux", full_finetune=False)        # the same LoRA in vgrpo's own model
+    family = vgrpo.load_family(args, torch.device("cpu"))
+    vgrpo.add_trainable_weights(family, args)
+    from peft import set_peft_model_state_dict
+    set_peft_model_state_dict(family.transformer, {k.removeprefix("transformer."): v for k, v in lora_file.items()})
+    family.pipe.transformer = family.transformer
+    assert (tuned - base).abs().max() > 1e-4
+    assert torch.allclose(tuned, images(family.pipe), atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux"])
+def test_gradient_checkpointing_gives_the_same_gradients(model):
+    args = vgrpo.Args(model=model, full_finetune=True)
+    family = vgrpo.load_family(args, torch.device("cpu"))
+    params = vgrpo.add_trainable_weights(family, args)
+    o = torch.randn(2, *family.latent_shape, generator=torch.Generator().manual_seed(0))
+    sig, eps = vgrpo.draw_pairs(family.sigma_grid(6), 2, family.latent_shape, [(0, 0), (0, 1)], "batch", True, 0, 0)
+    cond = family.encode(["a cat", "a cat"])
+    grads = []
+    for checkpointing in (False, True):
+        (family.transformer.enable_gradient_checkpointing if checkpointing else family.transformer.disable_gradient_checkpointing)()
+        family.transformer.zero_grad()
+        s, _ = vgrpo.surrogate(family, family.transformer, o, sig, eps, cond, "adaptive")
+        s.sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+PROMPT_REWARDS = '''
+import torch
+
+def from_metadata(images, prompts, metadata=None):
+    return torch.tensor([float(m["value"]) for m in metadata])
+
+def brightness(images, prompts):
+    return images.mean((1, 2, 3))
+'''
+
+
+def test_jsonl_metadata_reaches_rewards_and_evaluation_is_deterministic(tmp_path):
+    (tmp_path / "rw.py").write_text(PROMPT_REWARDS)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a red square", "value": 1.0}\n'
+                                          '{"prompt": "a blue circle", "value": 2.0, "tag": "colors"}\n')
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"prompt": f"held-out {i}", "value": i}) + "\n"
+                                                 for i in range(3)))
+    rw = tmp_path / "rw.py"
+    common = [*FAST, "--full-finetune", "--prompts", tmp_path / "train.jsonl",
+              "--reward", f"jpeg:100,{rw}:from_metadata:0.5", "--reward-advantage", "per-reward",
+              "--eval-prompts", tmp_path / "eval.jsonl", "--eval-every", "2",
+              "--eval-rewards", f"{rw}:from_metadata,{rw}:brightness"]
+    runs = {}
+    for name, lr in (("a", "1e-3"), ("b", "3e-3")):
+        p = run_script(*common, "--lr", lr, "--output-dir", tmp_path / name)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[name] = [json.loads(line) for line in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
+    m = metrics(tmp_path / "a")
+    for x in m:  # both prompts every iteration: the metadata value of each reached the reward
+        assert x["reward_from_metadata"] == 1.5
+        assert x["reward_mean"] == pytest.approx(100 * x["reward_jpeg"] + 0.5 * 1.5, rel=1e-5)
+        assert x["adv_abs_max"] > 0                # the jpeg part carries the advantage; metadata part is constant
+    a, b = runs["a"], runs["b"]
+    assert [x["iteration"] for x in a] == [0, 2, 3]
+    assert all(x["eval_from_metadata"] == 1.0 for x in a)        # mean of 0, 1, 2 over 2 images each
+    assert a[0] == b[0]                                           # fixed noises: the same before training
+    assert a[-1]["eval_brightness"] != b[-1]["eval_brightness"]   # and different after different training
+    header = (tmp_path / "a" / "rewards.csv").read_text().splitlines()[0].split(",")
+    assert header[:2] == ["iteration", "reward_mean"] and "eval_brightness" in header and "eval_reward" in header
+    assert len((tmp_path / "a" / "rewards.csv").read_text().splitlines()) == 1 + 4      # iterations 0..3
+    assert (tmp_path / "a" / "samples" / "eval-00000.png").exists()
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "a" / "rewards.png").stat().st_size > 10_000
+
+
+def test_presets_set_the_papers_settings_and_explicit_flags_win():
+    args = vgrpo.parse_args(["--preset", "sd3-pickscore", "--lr", "1e-4"])
+    assert (args.model, args.reward, args.sample_steps, args.prompts_per_step, args.group_size) == \
+        ("sd3", "pickscore", 40, 48, 24)
+    assert (args.adv_soft_clip, args.lora_rank, args.lora_alpha, args.full_finetune, args.lr) == (3.0, 32, 64.0, False, 1e-4)
+    flux = vgrpo.parse_args(["--preset", "flux-hpsv2"])
+    assert (flux.model, flux.reward, flux.sample_steps, flux.sampler, flux.guidance, flux.inner_steps) == \
+        ("flux", "hpsv2", 16, "dpmpp2m", 3.5, 4)
+    for name in vgrpo.PRESETS:  # the printed configuration reproduces itself
+        a = vgrpo.parse_args(["--preset", name])
+        assert vgrpo.parse_args(shlex.split(vgrpo.command_line(a))) == dataclasses.replace(a, preset="")
+        vgrpo.validate(dataclasses.replace(a, output_dir=tempfile.mkdtemp()), 8)   # every preset runs on 8 GPUs
 
 
 # --------------------------------------------------------------------------- rewards
@@ -610,12 +788,17 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
     (tmp_path / "latin1.txt").write_bytes("a cat\n\nun caf\xe9\n".encode("latin-1"))
     (tmp_path / "blank.txt").write_text("\n  \n")
     (tmp_path / "a_file").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat"}\n{"text": "a dog"}\n')
     cases = [
         (["--prompts", tmp_path / "latin1.txt"], "line 3: not UTF-8"),
         (["--prompts", tmp_path / "blank.txt"], "has no prompts"),
         (["--output-dir", tmp_path / "a_file" / "out"], "is not writable"),
         (["--resume", short_run[0] / "checkpoint-3", "--no-full-finetune", "--lora-rank", "8"],
          "belongs to a different configuration: --lora-rank 32 there, 8 here"),
+        (["--prompts", tmp_path / "bad.jsonl"], 'line 2: expected an object with a "prompt" string'),
+        (["--eval-every", "2"], "--eval-every needs --eval-prompts"),
+        (["--mixed-precision", "fp8"], "unknown --mixed-precision 'fp8'"),
+        (["--preset", "sd4"], "unknown --preset 'sd4': valid choices are sd3-pickscore"),
     ]
     for flags, message in cases:
         p = run_script("--output-dir", tmp_path / "out", *flags, "--iterations", "1", timeout=300)

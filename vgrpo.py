@@ -4,8 +4,10 @@ group-normalised advantages, clipped-ratio update and a torchrun training loop.
 
 Launch:
     python vgrpo.py                                            # CPU demo: tiny random SD3, JPEG reward, ~2 min
-    python vgrpo.py --model sd3 --reward pickscore             # one GPU, SD3.5-Medium
+    python vgrpo.py --model tiny-flux                          # the same with a tiny random FLUX
+    python vgrpo.py --model sd3 --reward pickscore --mixed-precision bf16 --gradient-checkpointing   # one GPU
     torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore
+    torchrun --nproc_per_node=8 vgrpo.py --preset flux-hpsv2 --prompts hpdv2.txt   # the paper's FLUX.1-dev run
     torchrun --nnodes=2 --node_rank=$NODE_RANK --master_addr=$MASTER --master_port=29500 \
         --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore:1,clipscore:1
     python vgrpo.py --resume runs/vgrpo/checkpoint-50 --iterations 100     # continue a run
@@ -27,8 +29,13 @@ Where this code fills a gap in, or departs from, the paper:
     analytic Gaussian flow cuts its error 2-20x there; elsewhere it equals diffusers' DPM++ scheduler.
  8. The KL term to the sampling policy is the mean squared x0 difference on the shared pairs,
     averaged over samples, pairs and latent dimensions (METHOD.md step 6).
+ 9. FLUX latents stay packed (2x2 patches as tokens) everywhere; the surrogate's mean over latent
+    dimensions is the same as on unpacked latents, and the pairs' eps are drawn in the packed shape.
+10. Several rewards are summed before the advantage by default (`--reward-advantage sum`); the paper does
+    not say, and `per-reward` (each reward's group advantage, then the weighted sum) is MixGRPO's choice.
 """
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -43,6 +50,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -59,13 +67,20 @@ def arg(default, help):
 
 @dataclass
 class Args:
-    model: str = arg("tiny", "tiny (random SD3 built in code, CPU demo), sd3 (SD3.5-Medium), or any SD3 pipeline id/path")
-    reward: str = arg("jpeg:100", "reward spec name[:weight],...: jpeg, pickscore, clipscore (jpeg:100 suits 32 px)")
-    prompts: str = arg("", "text file with one prompt per line (default: a small built-in list)")
-    resolution: int = arg(0, "image side in pixels (0: the model's default, 32 for tiny, 512 for sd3)")
+    preset: str = arg("", "the paper's settings for one experiment (see PRESETS); explicit flags override them")
+    model: str = arg("tiny", "tiny / tiny-flux (random, built in code, CPU), sd3 (SD3.5-Medium), flux (FLUX.1-dev), "
+                             "or any SD3 / FLUX pipeline id or path")
+    reward: str = arg("jpeg:100", "reward spec name[:weight],...: jpeg, pickscore, clipscore, hpsv2, imagereward, "
+                                  "aesthetic, ocr, http://host:port/path, file.py:function (jpeg:100 suits 32 px)")
+    reward_advantage: str = arg("sum", "several rewards: sum (advantage of the weighted sum) or per-reward (sum of "
+                                       "each reward's group advantage, as MixGRPO)")
+    prompts: str = arg("", ".txt (one prompt per line) or .jsonl ({\"prompt\": ..., metadata for the reward}); "
+                           "default: a small built-in list")
+    resolution: int = arg(0, "image side in pixels (0: the model's default, 32 for tiny, 512 for sd3, 720 for flux)")
     sampler: str = arg("dpmpp2m", "ODE sampler for rollouts: dpmpp2m (DPM-Solver++ 2M) or euler")
     sample_steps: int = arg(10, "ODE steps per rollout")
-    guidance: float = arg(1.0, "classifier-free guidance scale for rollouts (1 = off, as the paper trains SD3.5-M)")
+    guidance: float = arg(None, "SD3: classifier-free guidance scale (default 1 = off, as the paper trains SD3.5-M); "
+                                "FLUX: the guidance embedding's value (default 3.5), one pass")
     iterations: int = arg(60, "total training iterations (a resumed run continues up to this number)")
     prompts_per_step: int = arg(4, "P: prompts per iteration, GLOBAL over all processes")
     group_size: int = arg(8, "G: images per prompt (the GRPO group)")
@@ -83,7 +98,12 @@ class Args:
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     lora_rank: int = arg(32, "LoRA rank (ignored with --full-finetune)")
     lora_alpha: float = arg(64.0, "LoRA alpha")
-    full_finetune: bool = arg(None, "train every transformer weight instead of LoRA (default: on for tiny only)")
+    full_finetune: bool = arg(None, "train every transformer weight instead of LoRA (default: on for the tiny models only)")
+    mixed_precision: str = arg("no", "bf16, fp16 or no: dtype of the transformer's matmuls (and of frozen weights); "
+                                     "the surrogate, the loss, trained weights and AdamW stay float32")
+    gradient_checkpointing: bool = arg(False, "recompute activations in the backward pass (less memory, ~30%% slower)")
+    tf32: bool = arg(True, "allow TF32 matmuls on CUDA (Ampere and newer)")
+    offload_text_encoders: bool = arg(True, "keep the text encoders on the CPU except while new prompts are encoded (CUDA)")
     seed: int = arg(0, "seed: every random draw is keyed by (seed, iteration, prompt, member)")
     output_dir: str = arg("runs/vgrpo", "where metrics.jsonl, sample grids and checkpoints go")
     resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in --output-dir")
@@ -91,19 +111,47 @@ class Args:
     keep_last: int = arg(0, "keep only the newest N checkpoints (0 keeps all)")
     max_bad_steps: int = arg(3, "stop after this many consecutive iterations with NaN/Inf rewards, losses or gradients")
     dist_timeout: int = arg(600, "seconds a collective may wait for another rank before the run fails (no hangs)")
-    sample_every: int = arg(10, "save a PNG grid of rollout samples every N iterations")
+    sample_every: int = arg(10, "save a PNG grid of rollout samples and update rewards.csv/.png every N iterations")
+    eval_prompts: str = arg("", "held-out prompts (.txt or .jsonl) for a deterministic evaluation (fixed noises, ODE)")
+    eval_every: int = arg(0, "evaluate every N iterations, before training and at the end (0: never)")
+    eval_rewards: str = arg("", "reward spec of the evaluation, may differ from --reward (default: --reward's rewards)")
+    eval_images: int = arg(2, "images per evaluation prompt")
     device: str = arg("auto", "auto, cpu, cuda")
 
     def __post_init__(self):
         # Model-dependent defaults. The tiny CPU model is fully fine-tuned at 2e-3 (LoRA on its few weights
         # learns far less in two minutes); real models use LoRA at 3e-4, the paper's SD3.5-M setting.
+        tiny = self.model in ("tiny", "tiny-flux")
         if self.full_finetune is None:
-            self.full_finetune = self.model == "tiny"
+            self.full_finetune = tiny
         if self.lr is None:
-            self.lr = 2e-3 if self.model == "tiny" else 1e-5 if self.full_finetune else 3e-4
+            self.lr = 2e-3 if tiny else 1e-5 if self.full_finetune else 3e-4
+        if self.guidance is None:
+            self.guidance = 3.5 if model_kind(self.model) == "flux" else 1.0
+
+
+# The paper's reported settings (METHOD.md), one flag each. What no source settles is chosen and marked.
+_SD3 = dict(model="sd3", resolution=512, sampler="dpmpp2m", sample_steps=40, guidance=1.0, prompts_per_step=48,
+            group_size=24, n_mc=4, inner_steps=1, adv_soft_clip=3.0, lora_rank=32, lora_alpha=64.0, lr=3e-4,
+            full_finetune=False, iterations=150, mixed_precision="bf16", gradient_checkpointing=True, save_every=25)
+# FLUX: 16-step DPM-Solver++, N_MC 4, 300 iterations, several gradient steps with the ratio clip (the paper);
+# 12 images per prompt at 720 px (MixGRPO's setting on the same benchmark); LoRA r32 at 3e-4 (our choice: full
+# fine-tuning of 12B weights needs sharded optimizer states, which this script does not do).
+_FLUX = dict(model="flux", resolution=720, sampler="dpmpp2m", sample_steps=16, guidance=3.5, prompts_per_step=32,
+             group_size=12, n_mc=4, inner_steps=4, clip_eps=0.01, lora_rank=32, lora_alpha=64.0, lr=3e-4,
+             full_finetune=False, iterations=300, mixed_precision="bf16", gradient_checkpointing=True, save_every=25)
+PRESETS = {
+    "sd3-pickscore": dict(_SD3, reward="pickscore"),
+    "sd3-preference": dict(_SD3, reward="pickscore:1,hpsv2:1,clipscore:1"),  # stage 1 of the SD3.5-M curriculum
+    "sd3-ocr": dict(_SD3, reward="ocr", n_mc=10, iterations=30, adv_soft_clip=0.0),  # last stage; prompts quote text
+    "flux-hpsv2": dict(_FLUX, reward="hpsv2"),
+    # the paper adds UnifiedReward, served over HTTP: append ,http://host:port/path to --reward
+    "flux-preference": dict(_FLUX, reward="hpsv2:1,pickscore:1,imagereward:1"),
+}
 
 
 def parse_args(argv=None):
+    """Command line -> Args. A --preset sets the defaults; flags given explicitly override it."""
     import argparse
 
     p = argparse.ArgumentParser(description="V-GRPO training (arXiv 2604.23380)")
@@ -114,7 +162,24 @@ def parse_args(argv=None):
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
             p.add_argument(name, type=typ, default=f.default, help=f.metadata["help"])
+    preset = p.parse_known_args(argv)[0].preset
+    if preset:
+        if preset not in PRESETS:
+            raise UsageError(f"unknown --preset '{preset}': valid choices are {', '.join(PRESETS)}")
+        p.set_defaults(**PRESETS[preset])
     return Args(**vars(p.parse_args(argv)))
+
+
+def command_line(args):
+    """The resolved configuration as the flags that reproduce it (printed at start, saved in config.json)."""
+    out = []
+    for f in dataclasses.fields(Args):
+        value, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif f.name != "preset" and value is not None:  # None: resolved later (micro-batch before validate)
+            out.append(f"{flag} {json.dumps(value) if isinstance(value, str) and (not value or ' ' in value) else value}")
+    return " ".join(out)
 
 
 class FatalError(Exception):
@@ -133,7 +198,7 @@ RESUME_MUST_MATCH = ("model", "full_finetune", "lora_rank", "lora_alpha", "resol
 
 SAMPLERS = ("dpmpp2m", "euler")
 PAIR_SHARING = ("batch", "group", "none")
-MODEL_IDS = {"sd3": "stabilityai/stable-diffusion-3.5-medium"}
+MODEL_IDS = {"sd3": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev"}
 DEFAULT_PROMPTS = [
     "a red apple on a wooden table", "a cat sleeping on a sofa", "a lighthouse at sunset",
     "a bowl of ramen", "a snowy mountain village", "an astronaut riding a horse",
@@ -145,9 +210,9 @@ DEFAULT_PROMPTS = [
 def validate(args, world_size):
     """Every check that needs no model, so a wrong flag fails in a second with one line. Also resolves
     the default micro-batch, which depends on the per-process minibatch."""
-    if args.model not in ("tiny", *MODEL_IDS) and not os.path.isdir(args.model) \
+    if args.model not in ("tiny", "tiny-flux", *MODEL_IDS) and not os.path.isdir(args.model) \
             and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.model):
-        raise UsageError(f"unknown model '{args.model}': use tiny, {', '.join(MODEL_IDS)}, "
+        raise UsageError(f"unknown model '{args.model}': use tiny, tiny-flux, {', '.join(MODEL_IDS)}, "
                          "a Hugging Face id (org/name) or a local pipeline directory")
     if args.sampler not in SAMPLERS:
         raise UsageError(f"unknown sampler '{args.sampler}': valid choices are {', '.join(SAMPLERS)}")
@@ -155,10 +220,16 @@ def validate(args, world_size):
         raise UsageError(f"unknown --pair-sharing '{args.pair_sharing}': valid choices are {', '.join(PAIR_SHARING)}")
     if args.weighting not in ("adaptive", "none"):
         raise UsageError(f"unknown --weighting '{args.weighting}': valid choices are adaptive, none")
-    try:
-        rewards_lib.parse_reward_spec(args.reward)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    if args.mixed_precision not in AMP_DTYPES:
+        raise UsageError(f"unknown --mixed-precision '{args.mixed_precision}': valid choices are {', '.join(AMP_DTYPES)}")
+    if args.reward_advantage not in ("sum", "per-reward"):
+        raise UsageError(f"unknown --reward-advantage '{args.reward_advantage}': valid choices are sum, per-reward")
+    for flag, spec in (("--reward", args.reward), ("--eval-rewards", args.eval_rewards)):
+        try:
+            if spec or flag == "--reward":
+                rewards_lib.parse_reward_spec(spec)
+        except ValueError as e:
+            raise UsageError(f"{flag}: {e}") from None
     for name in ("sample_steps", "iterations", "prompts_per_step", "n_mc", "inner_steps", "save_every", "sample_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -173,7 +244,7 @@ def validate(args, world_size):
         raise UsageError(f"--inner-steps {args.inner_steps} must divide --group-size {args.group_size}")
     local_minibatch = args.prompts_per_step // world_size * args.group_size // args.inner_steps
     if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
-        args.micro_batch = math.gcd(local_minibatch, 16 if args.model == "tiny" else 4)
+        args.micro_batch = math.gcd(local_minibatch, 16 if args.model in ("tiny", "tiny-flux") else 4)
     if args.micro_batch < 1 or local_minibatch % args.micro_batch:
         raise UsageError(f"--micro-batch {args.micro_batch} must divide the per-process minibatch of "
                          f"{local_minibatch} samples (P/world * G / inner-steps)")
@@ -181,8 +252,11 @@ def validate(args, world_size):
         raise UsageError("--clip-eps and --lr must be positive; --beta and --adv-soft-clip non-negative")
     if args.resolution < 0 or args.resolution % 16:
         raise UsageError(f"--resolution must be a multiple of 16 (0 for the model's default), got {args.resolution}")
-    if args.prompts and not os.path.isfile(args.prompts):
-        raise UsageError(f"prompt file not found: {args.prompts}")
+    for flag, path in (("--prompts", args.prompts), ("--eval-prompts", args.eval_prompts)):
+        if path and not os.path.isfile(path):
+            raise UsageError(f"{flag}: prompt file not found: {path}")
+    if args.eval_every < 0 or args.eval_images < 1 or (args.eval_every and not args.eval_prompts):
+        raise UsageError("--eval-every needs --eval-prompts (and must be >= 0); --eval-images must be >= 1")
     if args.keep_last < 0 or args.max_bad_steps < 1 or args.dist_timeout < 1:
         raise UsageError("--keep-last must be >= 0, --max-bad-steps and --dist-timeout >= 1")
     try:
@@ -210,21 +284,35 @@ def check_resume_matches(args):
 
 
 def load_prompts(path):
-    """One prompt per line, blank lines skipped; an empty or non-UTF-8 file is refused."""
+    """-> (prompts, metadata). .txt: one prompt per line, blank lines skipped. .jsonl: one object per line
+    with a "prompt" field; the whole object is the prompt's metadata, handed to rewards that take it
+    (GenEval's format). An empty, non-UTF-8 or malformed file is refused with its line number."""
     if not path:
-        return list(DEFAULT_PROMPTS)
-    prompts = []
+        return list(DEFAULT_PROMPTS), [{} for _ in DEFAULT_PROMPTS]
+    prompts, metadata = [], []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8").strip()
             except UnicodeDecodeError:
                 raise UsageError(f"prompt file {path}, line {number}: not UTF-8 text") from None
-            if line:
+            if not line:
+                continue
+            if not path.endswith(".jsonl"):
                 prompts.append(line)
+                metadata.append({})
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"prompt file {path}, line {number}: not JSON ({e.msg})") from None
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+                raise UsageError(f'prompt file {path}, line {number}: expected an object with a "prompt" string')
+            prompts.append(item["prompt"])
+            metadata.append(item)
     if not prompts:
         raise UsageError(f"prompt file {path} has no prompts")
-    return prompts
+    return prompts, metadata
 
 
 # --------------------------------------------------------------------------- the method
@@ -246,6 +334,16 @@ def group_advantages(rewards, group_size, eps=1e-4, soft_clip=None):
     if soft_clip:
         A = soft_clip * torch.tanh(A / soft_clip)
     return A.view(-1)
+
+
+def per_reward_advantages(parts, weights, group_size, eps=1e-4, soft_clip=None):
+    """Several rewards combined after normalisation (MixGRPO's choice): A = sum_k w_k A(r_k), each reward's
+    group advantage computed alone, so a reward with a large scale cannot drown the others.
+    parts: {name: (P*G,) rewards}; weights: {name: w}. soft_clip as in group_advantages, on the sum."""
+    A = sum(w * group_advantages(parts[name], group_size, eps) for name, w in weights.items())
+    if soft_clip:
+        A = soft_clip * torch.tanh(A / soft_clip)
+    return A
 
 
 def stratified_sigmas(sigma_grid, n, generator=None):
@@ -368,61 +466,154 @@ def sample_ode(velocity, noise, sigmas, sampler="dpmpp2m"):
 
 # --------------------------------------------------------------------------- model families
 # The loop talks to a model only through this seam: encode(prompts), velocity(model, x, sigma, cond),
-# decode(o), sigma_grid(steps), latent_shape, save_lora(dir). A FLUX family implements the same.
+# decode(o), sigma_grid(steps), latent_shape, save_lora(dir). SD3 and FLUX differ only in what is below.
 
 
-class SD3Family:
-    """Stable Diffusion 3 / 3.5 (MMDiT, two CLIP encoders and optionally T5)."""
+class Family:
+    """What SD3 and FLUX share: prompt embeddings cached per prompt (text encoders offloaded to the CPU
+    between uses), mixed-precision forward passes, LoRA saving in the pipeline's own format."""
 
-    lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    cfg = True  # does --guidance mean classifier-free guidance (two passes)? FLUX feeds it to an embedding
+    cache_bytes = 8 << 30  # embeddings kept per prompt (FLUX's 512 T5 tokens: 4 MB each in bf16), oldest dropped
 
-    def __init__(self, pipe, resolution, max_sequence_length, device):
+    def __init__(self, pipe, resolution, max_sequence_length, device, amp_dtype=None, offload_text_encoders=False):
         self.pipe, self.device, self.max_sequence_length = pipe, device, max_sequence_length
-        self.transformer = pipe.transformer
-        side = resolution // pipe.vae_scale_factor
-        self.latent_shape = (self.transformer.config.in_channels, side, side)
-        self.image_tokens = (side // self.transformer.config.patch_size) ** 2
-        self._cache = {}
+        self.transformer, self.resolution = pipe.transformer, resolution
+        self.amp_dtype, self.offload = amp_dtype, offload_text_encoders
+        self._cache = collections.OrderedDict()  # prompt -> embeddings, on the CPU when the encoders are offloaded
 
-    def sigma_grid(self, steps):
-        """The pipeline's own (shifted) schedule, S values then the final 0, float32 on the CPU."""
-        scheduler = copy.deepcopy(self.pipe.scheduler)
-        kwargs = {}
-        if scheduler.config.get("use_dynamic_shifting", False):
-            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-            c = scheduler.config
-            kwargs["mu"] = calculate_shift(self.image_tokens, c.get("base_image_seq_len", 256),
-                                           c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                                           c.get("max_shift", 1.16))
-        scheduler.set_timesteps(steps, device="cpu", **kwargs)
-        return scheduler.sigmas.float()
+    def autocast(self):
+        """bf16/fp16 matmuls for the transformer; the surrogate and the loss are computed in float32."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def text_encoders(self):
+        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+        return [getattr(self.pipe, n) for n in names if getattr(self.pipe, n, None) is not None]
 
     @torch.no_grad()
     def encode(self, prompts):
         """Prompt embeddings, one prompt at a time (cached), so results never depend on batch composition."""
-        for p in set(prompts) - self._cache.keys():
-            emb, _, pooled, _ = self.pipe.encode_prompt(p, None, None, device=self.device, num_images_per_prompt=1,
-                                                        do_classifier_free_guidance=False,
-                                                        max_sequence_length=self.max_sequence_length)
-            self._cache[p] = (emb[0], pooled[0])
-        return tuple(torch.stack([self._cache[p][k] for p in prompts]) for k in range(2))
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._cache]
+        if missing and self.offload:
+            for enc in self.text_encoders():
+                enc.to(self.device)
+        store = torch.device("cpu") if self.offload else self.device
+        for p in missing:
+            self._cache[p] = tuple(t.to(store) for t in self.encode_one(p))
+        if missing and self.offload:
+            for enc in self.text_encoders():
+                enc.to("cpu")
+        wanted = dict.fromkeys(prompts)
+        for p in wanted:
+            self._cache.move_to_end(p)  # least recently used first
+        size = sum(t.numel() * t.element_size() for v in self._cache.values() for t in v)
+        while size > self.cache_bytes and next(iter(self._cache)) not in wanted:
+            size -= sum(t.numel() * t.element_size() for t in self._cache.popitem(last=False)[1])
+        n = len(next(iter(self._cache.values())))
+        return tuple(torch.stack([self._cache[p][k] for p in prompts]).to(self.device) for k in range(n))
 
-    def velocity(self, model, x, sigma, cond):
-        emb, pooled = cond
-        timestep = (sigma * 1000).to(x.device).expand(x.shape[0])
-        return model(hidden_states=x, timestep=timestep, encoder_hidden_states=emb,
-                     pooled_projections=pooled, return_dict=False)[0]
+    def scheduler_grid(self, steps, sigmas=None):
+        """The pipeline's own (shifted) schedule: S values then the final 0, float32 on the CPU."""
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        kwargs = {"sigmas": sigmas} if sigmas is not None else {}
+        if scheduler.config.get("use_dynamic_shifting", False):  # resolution-dependent shift (FLUX, SD3.5 opt.)
+            from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+            c = scheduler.config
+            kwargs["mu"] = calculate_shift(self.image_tokens, c.get("base_image_seq_len", 256),
+                                           c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+                                           c.get("max_shift", 1.15))
+        scheduler.set_timesteps(None if sigmas is not None else steps, device="cpu", **kwargs)
+        return scheduler.sigmas.float()
 
-    @torch.no_grad()
-    def decode(self, o):
+    def vae_decode(self, latents):
         vae = self.pipe.vae
-        latents = o / vae.config.scaling_factor + vae.config.shift_factor
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
         image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)                   # (B, 3, H, W) in [0, 1]
 
     def save_lora(self, directory, state_dict, config):
         type(self.pipe).save_lora_weights(directory, transformer_lora_layers=state_dict,
                                           transformer_lora_adapter_metadata=config)
+
+
+class SD3Family(Family):
+    """Stable Diffusion 3 / 3.5 (MMDiT, two CLIP encoders and optionally T5). Latents (C, h, w)."""
+
+    lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+    def __init__(self, pipe, resolution, max_sequence_length, device, **kw):
+        super().__init__(pipe, resolution, max_sequence_length, device, **kw)
+        side = resolution // pipe.vae_scale_factor
+        self.latent_shape = (self.transformer.config.in_channels, side, side)
+        self.image_tokens = (side // self.transformer.config.patch_size) ** 2
+
+    def sigma_grid(self, steps):
+        return self.scheduler_grid(steps)
+
+    def encode_one(self, prompt):
+        emb, _, pooled, _ = self.pipe.encode_prompt(prompt, None, None, device=self.device, num_images_per_prompt=1,
+                                                    do_classifier_free_guidance=False,
+                                                    max_sequence_length=self.max_sequence_length)
+        return emb[0], pooled[0]
+
+    def velocity(self, model, x, sigma, cond):
+        emb, pooled = cond
+        timestep = (sigma * 1000).to(x.device).expand(x.shape[0])
+        with self.autocast():
+            v = model(hidden_states=x, timestep=timestep, encoder_hidden_states=emb.to(x.dtype),
+                      pooled_projections=pooled.to(x.dtype), return_dict=False)[0]
+        return v.float() if self.amp_dtype else v  # keep the ODE state and the surrogate in float32
+
+    @torch.no_grad()
+    def decode(self, o):
+        return self.vae_decode(o)
+
+
+class FluxFamily(Family):
+    """FLUX.1 (double- and single-stream blocks, CLIP pooled + T5 sequence). Latents are kept packed as the
+    transformer reads them: 2x2 latent patches -> tokens, (h/2 * w/2, 4C); image ids give each token its
+    (row, column) for the rotary embedding. FLUX.1-dev is guidance-distilled: --guidance feeds its guidance
+    embedding in a single pass (no CFG). Its schedule is linspace(1, 1/S, S) shifted by a resolution-dependent mu."""
+
+    cfg = False
+    lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                    "proj_mlp", "proj_out"]
+
+    def __init__(self, pipe, resolution, max_sequence_length, device, guidance=3.5, **kw):
+        super().__init__(pipe, resolution, max_sequence_length, device, **kw)
+        self.side = 2 * (resolution // (pipe.vae_scale_factor * 2))     # unpacked latent side
+        channels = pipe.transformer.config.in_channels // 4
+        self.latent_shape = ((self.side // 2) ** 2, channels * 4)        # (tokens, 4C)
+        self.image_tokens = self.latent_shape[0]
+        self.img_ids = pipe._prepare_latent_image_ids(1, self.side // 2, self.side // 2, device, torch.float32)
+        self.guidance = guidance if pipe.transformer.config.guidance_embeds else None
+
+    def sigma_grid(self, steps):
+        import numpy as np
+
+        return self.scheduler_grid(steps, sigmas=np.linspace(1.0, 1 / steps, steps))
+
+    def encode_one(self, prompt):
+        emb, pooled, _ = self.pipe.encode_prompt(prompt, None, device=self.device, num_images_per_prompt=1,
+                                                 max_sequence_length=self.max_sequence_length)
+        return emb[0], pooled[0]
+
+    def velocity(self, model, x, sigma, cond):
+        emb, pooled = cond
+        t = (sigma * 1000).to(x.device).expand(x.shape[0]).to(x.dtype) / 1000  # exactly the pipeline's timestep
+        guidance = None if self.guidance is None else torch.full((x.shape[0],), self.guidance, device=x.device)
+        txt_ids = torch.zeros(emb.shape[1], 3, device=x.device)
+        with self.autocast():
+            v = model(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=pooled.to(x.dtype),
+                      encoder_hidden_states=emb.to(x.dtype), txt_ids=txt_ids, img_ids=self.img_ids,
+                      return_dict=False)[0]
+        return v.float() if self.amp_dtype else v
+
+    @torch.no_grad()
+    def decode(self, o):
+        return self.vae_decode(self.pipe._unpack_latents(o, self.resolution, self.resolution, self.pipe.vae_scale_factor))
 
 
 def write_byte_tokenizer(directory):
@@ -440,63 +631,131 @@ def write_byte_tokenizer(directory):
         f.write("#version: 0.2\n")
 
 
+def tiny_clip_text(with_projection, seed):
+    """A byte-level CLIP tokenizer and a CLIP text encoder of width 32 reading 32 tokens, random weights."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    config = CLIPTextConfig(
+        vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=32, projection_dim=32, bos_token_id=512, eos_token_id=513, pad_token_id=513)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config).eval()
+    with tempfile.TemporaryDirectory() as d:
+        write_byte_tokenizer(d)
+        return CLIPTokenizer.from_pretrained(d, model_max_length=32), encoder
+
+
+def tiny_vae(scaling_factor, shift_factor):
+    """A VAE that downsamples 2x into 4 channels (the real ones: 8x into 16)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1,
+        latent_channels=4, norm_num_groups=8, sample_size=32, scaling_factor=scaling_factor,
+        shift_factor=shift_factor).eval()
+
+
 def build_tiny_sd3_pipeline(seed=0):
     """A small StableDiffusion3Pipeline with random weights, built in code: 32 px images, a VAE that
     downsamples 2x, patch size 1 -> 256 image tokens; 2 MMDiT layers of 4 heads x 16; two CLIP text
     encoders of width 32 reading 32 byte tokens, no T5. Deterministic in `seed`, so every process builds the same one."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = SD3Transformer2DModel(
             sample_size=16, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=16,
             num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=64,
-            pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16)
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1,
-            latent_channels=4, norm_num_groups=8, sample_size=32, scaling_factor=1.5305, shift_factor=0.0609)
-        text_config = CLIPTextConfig(
-            vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=32, projection_dim=32, bos_token_id=512, eos_token_id=513, pad_token_id=513)
-        text_encoder, text_encoder_2 = CLIPTextModelWithProjection(text_config), CLIPTextModelWithProjection(text_config)
-    with tempfile.TemporaryDirectory() as d:
-        write_byte_tokenizer(d)
-        tokenizer = CLIPTokenizer.from_pretrained(d, model_max_length=32)
-        tokenizer_2 = CLIPTokenizer.from_pretrained(d, model_max_length=32)
-    pipe = StableDiffusion3Pipeline(
+            pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16).eval()
+        vae = tiny_vae(1.5305, 0.0609)
+    tokenizer, text_encoder = tiny_clip_text(True, seed + 1)
+    tokenizer_2, text_encoder_2 = tiny_clip_text(True, seed + 2)
+    return StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
         text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
         text_encoder_3=None, tokenizer_3=None)
-    for m in (transformer, vae, text_encoder, text_encoder_2):
-        m.eval()
-    return pipe
+
+
+def build_tiny_flux_pipeline(seed=0):
+    """A small FluxPipeline with random weights, built in code: 32 px images, a VAE that downsamples 2x,
+    2x2 packing -> 64 image tokens of 16 channels; one double- and one single-stream block of 4 heads x 16
+    with the guidance embedding (as FLUX.1-dev); a CLIP text encoder of width 32 and a T5 encoder of width
+    32 whose character-level tokenizer is built in code (real vocabularies cannot be downloaded here)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6)).eval()
+        vae = tiny_vae(0.3611, 0.1159)
+        vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(chr(c), -1.0) for c in range(32, 127)] + [("▁", -1.0)]
+        t5 = T5EncoderModel(T5Config(vocab_size=len(vocab), d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                     num_heads=4, dropout_rate=0.0)).eval()
+    tokenizer, text_encoder = tiny_clip_text(False, seed + 1)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)  # FLUX.1's config
+    return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                        text_encoder_2=t5, tokenizer_2=T5Tokenizer(vocab=vocab, extra_ids=0), transformer=transformer)
+
+
+def model_kind(model):
+    """'sd3' or 'flux' for a --model value (a local folder says in its model_index.json)."""
+    if model in ("tiny", "sd3"):
+        return "sd3"
+    if model in ("tiny-flux", "flux"):
+        return "flux"
+    index = os.path.join(model, "model_index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return "flux" if "Flux" in json.load(f).get("_class_name", "") else "sd3"
+    return "flux" if "flux" in model.lower() else "sd3"
+
+
+AMP_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_family(args, device):
-    """--model -> (family, resolution). Missing weights are one clear line, not a traceback."""
-    if args.model == "tiny":
-        # no T5: its embeddings are zeros, so keep their padded length short (8) to save compute
-        pipe, resolution, max_len = build_tiny_sd3_pipeline(), args.resolution or 32, 8
+    """--model -> a Family on `device`. Missing weights are one clear line, not a traceback."""
+    kind, amp = model_kind(args.model), AMP_DTYPES[args.mixed_precision]
+    if args.model in ("tiny", "tiny-flux"):
+        # tiny SD3 has no T5: its embeddings are zeros, so keep their padded length short (8) to save compute
+        pipe = build_tiny_sd3_pipeline() if kind == "sd3" else build_tiny_flux_pipeline()
+        resolution, max_len = args.resolution or 32, 8 if kind == "sd3" else 16
     else:
-        from diffusers import StableDiffusion3Pipeline
+        from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
         name = MODEL_IDS.get(args.model, args.model)
-        try:
-            pipe = StableDiffusion3Pipeline.from_pretrained(name)  # float32 (mixed precision: a later issue)
+        try:  # frozen parts in the mixed-precision dtype; the transformer is cast below if it is frozen too
+            pipe = (FluxPipeline if kind == "flux" else StableDiffusion3Pipeline).from_pretrained(
+                name, torch_dtype=amp or torch.float32)
         except (OSError, ValueError) as e:
             raise UsageError(f"could not load '{name}' ({type(e).__name__}): the weights are not available here; "
                              f"download them once with `hf download {name}` (accept the model's licence first) "
                              "or pass a local pipeline directory with --model /path/to/pipeline") from None
-        resolution, max_len = args.resolution or 512, 256
+        resolution, max_len = args.resolution or (720 if kind == "flux" else 512), 512 if kind == "flux" else 256
     pipe.set_progress_bar_config(disable=True)
-    pipe.to(device)
-    pipe.vae.requires_grad_(False)
-    for enc in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+    # full fine-tuning keeps float32 master weights (AdamW on bf16 weights loses small updates); with LoRA
+    # the frozen base weights can live in the low-precision dtype and only the adapters stay float32
+    weights_dtype = torch.float32 if args.full_finetune or amp is None else amp
+    if pipe.transformer.dtype != weights_dtype:
+        pipe.transformer.to(weights_dtype)
+    for part in (pipe.transformer, pipe.vae):
+        part.to(device).requires_grad_(False)
+    offload = args.offload_text_encoders and device.type == "cuda"
+    for enc in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None)):
         if enc is not None:
-            enc.requires_grad_(False)
-    return SD3Family(pipe, resolution, max_len, device)
+            enc.requires_grad_(False).to("cpu" if offload else device)
+    if args.gradient_checkpointing:
+        pipe.transformer.enable_gradient_checkpointing()
+    kw = dict(amp_dtype=amp, offload_text_encoders=offload)
+    if kind == "flux":
+        return FluxFamily(pipe, resolution, max_len, device, guidance=args.guidance, **kw)
+    return SD3Family(pipe, resolution, max_len, device, **kw)
 
 
 def add_trainable_weights(family, args):
@@ -512,7 +771,10 @@ def add_trainable_weights(family, args):
             torch.manual_seed(args.seed)  # the same LoRA init on every rank
             transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                                init_lora_weights="gaussian", target_modules=family.lora_targets))
-    return [p for p in transformer.parameters() if p.requires_grad]
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in params:  # trained weights stay float32 even when the frozen base is bf16 (AdamW needs the precision)
+        p.data = p.data.float()
+    return params
 
 
 # --------------------------------------------------------------------------- one iteration, in pieces
@@ -536,14 +798,14 @@ def take(cond, idx, repeat=1):
 @torch.no_grad()
 def rollout(family, model, cond, noise, sigmas, args, negative=None):
     """Sample o for every local sample with the current weights, in micro-batches -> (B, *lat)."""
-    out = []
+    out, cfg = [], family.cfg and args.guidance > 1  # FLUX takes --guidance in its embedding instead
     for idx in torch.arange(len(noise)).split(args.micro_batch):
         c = take(cond, idx)
-        if args.guidance > 1:
+        if cfg:
             c = tuple(torch.cat([n.expand_as(t), t]) for n, t in zip(negative, c))
 
         def velocity(x, sigma):
-            if args.guidance <= 1:
+            if not cfg:
                 return family.velocity(model, x, sigma, c)
             v_uncond, v_cond = family.velocity(model, torch.cat([x, x]), sigma, c).chunk(2)
             return v_uncond + args.guidance * (v_cond - v_uncond)
@@ -575,8 +837,9 @@ def old_surrogate(family, model, batch, args, n_prompts):
     return s_old, x0_old
 
 
-def update(family, model, optimizer, params, batch, args, n_prompts):
-    """--inner-steps optimizer steps on the clipped surrogate objective; returns averaged stats."""
+def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None):
+    """--inner-steps optimizer steps on the clipped surrogate objective; returns averaged stats.
+    scaler: a GradScaler with --mixed-precision fp16 (fp16 gradients underflow without loss scaling)."""
     stats, ratio_dev_first = {}, 0.0
     per_mb = n_prompts * args.group_size // args.inner_steps
     chunks = list(micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch))
@@ -589,16 +852,24 @@ def update(family, model, optimizer, params, batch, args, n_prompts):
             loss, st = vgrpo_loss(s_new, batch["s_old"][idx], batch["A"][idx], args.clip_eps, args.beta,
                                   x0_new if args.beta > 0 else None,
                                   batch["x0_old"][idx] if args.beta > 0 else None)
-            (loss * len(idx) / per_mb).backward()
+            part = loss * len(idx) / per_mb
+            (scaler.scale(part) if scaler else part).backward()
         if k == 0:  # before any optimizer step: must be exactly 0
             ratio_dev_first = max(ratio_dev_first, (torch.exp(s_new - batch["s_old"][idx]) - 1).abs().max().item())
         for name, value in st.items():
             stats.setdefault(name, []).append(value)  # micro-batches are equal-sized: plain means
         if last_of_step:
             # gradients are already averaged over ranks, so every rank takes the same decision here
+            if scaler:
+                scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
             stats.setdefault("grad_norm", []).append(grad_norm)
-            if math.isfinite(grad_norm):
+            if scaler:  # an fp16 overflow only lowers the loss scale; a non-finite loss is a bad step
+                scaler.step(optimizer)
+                scaler.update()
+                if not math.isfinite(st["policy_loss"]):
+                    stats.setdefault("skipped_steps", []).append(1)
+            elif math.isfinite(grad_norm):
                 optimizer.step()
             else:  # a NaN / Inf loss or gradient: drop this step, the weights stay finite
                 stats.setdefault("skipped_steps", []).append(1)
@@ -679,7 +950,7 @@ def reduce_stats(stats, world, device):
 # --------------------------------------------------------------------------- checkpoints and pictures
 
 
-def save_checkpoint(output_dir, iteration, family, optimizer, args):
+def save_checkpoint(output_dir, iteration, family, optimizer, args, scaler=None):
     """OUTPUT/checkpoint-N/: LoRA (pytorch_lora_weights.safetensors, loadable by pipe.load_lora_weights)
     or the full transformer, the optimizer state and the step. Written to a .tmp folder, then renamed."""
     if not all(torch.isfinite(p).all() for p in family.transformer.parameters()):
@@ -696,6 +967,8 @@ def save_checkpoint(output_dir, iteration, family, optimizer, args):
         family.save_lora(tmp, get_peft_model_state_dict(family.transformer),
                          family.transformer.peft_config["default"].to_dict())
     torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    if scaler is not None:  # fp16's loss scale: part of the state a resumed run must continue from
+        torch.save(scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
     with open(os.path.join(tmp, "state.json"), "w") as f:
         json.dump({"iteration": iteration, "args": dataclasses.asdict(args)}, f, indent=1)
     shutil.rmtree(final, ignore_errors=True)
@@ -723,7 +996,7 @@ def prune_checkpoints(output_dir, keep_last):
         shutil.rmtree(path)
 
 
-def load_checkpoint(directory, family, optimizer, args, device):
+def load_checkpoint(directory, family, optimizer, args, device, scaler=None):
     """Restore weights and optimizer from save_checkpoint's folder; returns the iteration to start at."""
     from safetensors.torch import load_file
 
@@ -741,6 +1014,8 @@ def load_checkpoint(directory, family, optimizer, args, device):
         if getattr(result, "unexpected_keys", None):
             raise UsageError(f"--resume {directory}: LoRA does not fit this model ({result.unexpected_keys[0]}, ...)")
     optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), map_location=device, weights_only=True))
+    if scaler is not None and os.path.isfile(os.path.join(directory, "scaler.pt")):
+        scaler.load_state_dict(torch.load(os.path.join(directory, "scaler.pt"), weights_only=True))
     with open(os.path.join(directory, "state.json")) as f:
         return json.load(f)["iteration"]
 
@@ -772,17 +1047,22 @@ def save_sample_grid(path, images, prompts, rewards, group_size, max_groups=4, m
 class Run:
     """Everything one iteration needs, built once in main()."""
     args: Args
-    family: SD3Family
+    family: Family
     model: torch.nn.Module           # the transformer, DDP-wrapped when distributed (used for the update only)
     optimizer: torch.optim.Optimizer
     params: list
     reward_fn: object
     prompts: list
+    metadata: list                   # one dict per prompt (from a .jsonl file), handed to the reward
     sigmas: torch.Tensor             # (S + 1,) the rollout's sigma grid, ending in 0
     negative: tuple                  # empty-prompt conditioning for CFG, or None
     rank: int
     world: int
     device: torch.device
+    scaler: object = None            # GradScaler with fp16
+    eval_prompts: list = None        # held-out prompts, their metadata and the evaluation's reward
+    eval_metadata: list = None
+    eval_reward_fn: object = None
 
     @property
     def n_prompts(self):
@@ -799,6 +1079,7 @@ def train_iteration(run, it):
     slots = range(run.rank * run.n_prompts, (run.rank + 1) * run.n_prompts)
     sample_ids = [(j, m) for j in slots for m in range(G)]
     prompts = [run.prompts[order[j % len(order)]] for j, _ in sample_ids]
+    metadata = [run.metadata[order[j % len(order)]] for j, _ in sample_ids]
     noise = torch.stack([torch.randn(family.latent_shape, generator=keyed_generator(args.seed, "noise", it, j, m))
                          for j, m in sample_ids]).to(run.device)     # (B, C, h, w)
     cond = family.encode(prompts)
@@ -807,10 +1088,14 @@ def train_iteration(run, it):
     t1 = time.perf_counter()
     # 2. Reward, 3. group-normalised advantages (each rank owns whole groups: no communication)
     try:
-        r = run.reward_fn(images, prompts).to(run.device)
+        r = run.reward_fn(images, prompts, metadata).to(run.device)
     except rewards_lib.RewardError as e:  # a broken reward server or a reward returning the wrong shape
         raise FatalError(str(e)) from None
-    A = group_advantages(r, G, soft_clip=args.adv_soft_clip or None)
+    if args.reward_advantage == "per-reward" and len(run.reward_fn.parts) > 1:
+        A = per_reward_advantages({k: v.to(run.device) for k, v in run.reward_fn.last_parts.items()},
+                                  {name: w for name, w, _ in run.reward_fn.parts}, G, soft_clip=args.adv_soft_clip or None)
+    else:
+        A = group_advantages(r, G, soft_clip=args.adv_soft_clip or None)
     t2 = time.perf_counter()
     local_bad = not (torch.isfinite(r).all() and torch.isfinite(A).all())
     if local_bad:
@@ -828,12 +1113,62 @@ def train_iteration(run, it):
     batch["s_old"], batch["x0_old"] = old_surrogate(family, family.transformer, batch, args, run.n_prompts)
     t3 = time.perf_counter()
     # 5. Clipped-ratio update
-    stats = update(family, run.model, run.optimizer, run.params, batch, args, run.n_prompts)
+    stats = update(family, run.model, run.optimizer, run.params, batch, args, run.n_prompts, run.scaler)
     t4 = time.perf_counter()
     stats.update(time_rollout=t1 - t0, time_reward=t2 - t1, time_old=t3 - t2, time_update=t4 - t3)
-    stats.update({f"reward_{k}": v.mean().item() for k, v in getattr(run.reward_fn, "last_parts", {}).items()
+    stats.update({f"reward_{metric_name(k)}": v.mean().item() for k, v in run.reward_fn.last_parts.items()
                   if len(run.reward_fn.parts) > 1})
+    if run.scaler:
+        stats["loss_scale"] = run.scaler.get_scale()
     return stats, images, prompts, r, A
+
+
+def metric_name(reward_name):
+    """A reward's name as a metric / CSV column: 'pickscore', 'my_rewards.py:colour' -> 'colour',
+    'http://host:8000/geneval' -> 'geneval' (the host when there is no path)."""
+    if ".py:" in reward_name:
+        reward_name = reward_name.rpartition(":")[2]
+    elif "://" in reward_name:
+        rest = reward_name.split("://", 1)[1]
+        reward_name = rest.rstrip("/").rpartition("/")[2] if "/" in rest.rstrip("/") else rest.split(":")[0]
+    return re.sub(r"\W+", "_", reward_name).strip("_")
+
+
+@torch.no_grad()
+def evaluate(run, it):
+    """Deterministic evaluation on the held-out prompts with the current weights: the same noises every time
+    (keyed by prompt and image, never by iteration), the ODE sampler, rewards that may differ from the
+    training reward (so reward hacking shows: training reward up, held-out rewards down).
+    Ranks take every world-th prompt; sums are reduced. -> (metrics, images, prompts, rewards) of rank's first prompts."""
+    args, family, fn = run.args, run.family, run.eval_reward_fn
+    mine = [(i, k) for i in range(run.rank, len(run.eval_prompts), run.world) for k in range(args.eval_images)]
+    names = [name for name, _, _ in fn.parts]
+    sums = torch.zeros(len(names) + 2, dtype=torch.float64)           # each reward, the weighted total, count
+    shown = []
+    for start in range(0, len(mine), args.micro_batch):
+        chunk = mine[start:start + args.micro_batch]
+        prompts = [run.eval_prompts[i] for i, _ in chunk]
+        noise = torch.stack([torch.randn(family.latent_shape, generator=keyed_generator(args.seed, "eval", i, k))
+                             for i, k in chunk]).to(run.device)
+        o = rollout(family, family.transformer, family.encode(prompts), noise, run.sigmas, args, run.negative)
+        images = family.decode(o)
+        try:
+            total = fn(images, prompts, [run.eval_metadata[i] for i, _ in chunk])
+        except rewards_lib.RewardError as e:
+            raise FatalError(f"evaluation: {e}") from None
+        sums += torch.tensor([*(fn.last_parts[n].double().sum() for n in names), total.double().sum(), len(chunk)])
+        if len(shown) < 4 * args.eval_images:
+            shown.append((images, prompts, total))
+    if run.world > 1:
+        sums = sums.to(run.device)
+        dist.all_reduce(sums)
+    means = (sums[:-1] / sums[-1].clamp_min(1)).tolist()
+    m = {"iteration": it, **{f"eval_{metric_name(n)}": v for n, v in zip(names, means)}}
+    if len(names) > 1:
+        m["eval_reward"] = means[-1]
+    images, prompts, r = (torch.cat([s[0] for s in shown]), sum((s[1] for s in shown), []), torch.cat([s[2] for s in shown])) \
+        if shown else (None, [], None)
+    return m, images, prompts, r
 
 
 SKIPPED_STATS = {k: float("nan") for k in ("policy_loss", "kl", "clip_frac", "ratio_mean", "ratio_min", "ratio_max",
@@ -864,21 +1199,24 @@ def log_line(m, total):
 
 def build_run(args, rank, world, device):
     """Load the model, reward and optimizer (and a checkpoint) -> (Run, first iteration)."""
-    prompts = load_prompts(args.prompts)
+    prompts, metadata = load_prompts(args.prompts)
+    eval_prompts, eval_metadata = load_prompts(args.eval_prompts) if args.eval_prompts else (None, None)
     family = load_family(args, device)
     try:
         reward_fn = rewards_lib.load_reward(args.reward, device)
+        eval_reward_fn = rewards_lib.load_reward(args.eval_rewards or args.reward, device) if eval_prompts else None
     except rewards_lib.RewardError as e:
         raise UsageError(str(e)) from None
     params = add_trainable_weights(family, args)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    start = load_checkpoint(args.resume, family, optimizer, args, device) if args.resume else 0
+    scaler = torch.amp.GradScaler(device.type) if args.mixed_precision == "fp16" else None
+    start = load_checkpoint(args.resume, family, optimizer, args, device, scaler) if args.resume else 0
     model = family.transformer
     if world > 1:  # wrap after loading: DDP starts from rank 0's weights, which every rank holds anyway
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    negative = family.encode([""]) if args.guidance > 1 else None
-    run = Run(args, family, model, optimizer, params, reward_fn, prompts, family.sigma_grid(args.sample_steps),
-              negative, rank, world, device)
+    negative = family.encode([""]) if family.cfg and args.guidance > 1 else None
+    run = Run(args, family, model, optimizer, params, reward_fn, prompts, metadata, family.sigma_grid(args.sample_steps),
+              negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn)
     return run, start
 
 
@@ -895,7 +1233,12 @@ def describe(run, start):
         f"update: {a.inner_steps} optimizer step(s) per iteration of {minibatch * run.world} samples "
         f"({minibatch} per process, micro-batches of {a.micro_batch} x {a.n_mc} pairs = "
         f"{a.micro_batch * a.n_mc} rows per forward, {minibatch // a.micro_batch} accumulated)",
-        f"iterations {start + 1}..{a.iterations}, output in {a.output_dir}" + (f", resumed from {a.resume}" if a.resume else ""),
+        f"precision: {a.mixed_precision if a.mixed_precision != 'no' else 'float32'} matmuls, float32 surrogate and "
+        f"trained weights{', gradient checkpointing' if a.gradient_checkpointing else ''}"
+        f"{', text encoders offloaded to the CPU' if run.family.offload else ''}",
+        f"iterations {start + 1}..{a.iterations}, output in {a.output_dir}" + (f", resumed from {a.resume}" if a.resume else "")
+        + (f"; evaluation of {len(run.eval_prompts)} prompts x {a.eval_images} every {a.eval_every} iterations with "
+           f"{a.eval_rewards or a.reward}" if a.eval_every else ""),
     ])
 
 
@@ -907,6 +1250,62 @@ def trim_metrics(path, start):
         keep = [line for line in f if line.strip() and json.loads(line)["iteration"] <= start]
     with open(path, "w") as f:
         f.writelines(keep)
+
+
+def read_jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_curves(output_dir):
+    """rewards.csv (always) and rewards.png (when matplotlib is installed): the training reward and every
+    evaluation reward against the iteration. Returns the PNG's path, or None without matplotlib."""
+    import csv
+
+    rows = {}
+    for m in read_jsonl(os.path.join(output_dir, "metrics.jsonl")) + read_jsonl(os.path.join(output_dir, "eval.jsonl")):
+        rows.setdefault(m["iteration"], {}).update({k: v for k, v in m.items() if k.startswith(("reward", "eval_"))})
+    columns = sorted({k for r in rows.values() for k in r},
+                     key=lambda k: (k.startswith("eval_"), k not in ("reward_mean", "eval_reward"), k))
+    with open(os.path.join(output_dir, "rewards.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["iteration", *columns])
+        for it in sorted(rows):
+            w.writerow([it, *(rows[it].get(k, "") for k in columns)])
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = [k for k in columns if k == "reward_mean" or k.startswith("eval_") or
+              (k.startswith("reward_") and k not in ("reward_std", "reward_group_std"))][:8]
+    cols = min(4, len(panels))
+    rows_ = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(3.6 * cols, 3.0 * rows_), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, key in zip(axes.flat, panels):
+        its = [it for it in sorted(rows) if rows[it].get(key) is not None and math.isfinite(rows[it][key])]
+        values = [rows[it][key] for it in its]
+        held_out = key.startswith("eval_")
+        ax.plot(its, values, "o-" if held_out else "-", color="tab:orange" if held_out else "tab:blue",
+                alpha=1.0 if held_out else 0.35, lw=1.2, ms=3)
+        if not held_out and len(values) >= 5:  # a 5-iteration moving average over the noisy per-batch mean
+            smooth = [sum(values[max(0, i - 4):i + 1]) / len(values[max(0, i - 4):i + 1]) for i in range(len(values))]
+            ax.plot(its, smooth, color="tab:blue", lw=1.8)
+        ax.set_title(("held-out " if held_out else "training ") + key.removeprefix("eval_").removeprefix("reward_")
+                     .replace("mean", "reward"), fontsize=9)
+        ax.set_xlabel("iteration", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(output_dir, "rewards.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def install_stop_handlers():
@@ -926,26 +1325,73 @@ def install_stop_handlers():
     return requested
 
 
+def record(run, it, m, images, prompts, r, first, last):
+    """Rank 0 after iteration it: the metrics line, the progress line, pictures, curves and checkpoints."""
+    args = run.args
+    with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(m) + "\n")
+    print(log_line(m, args.iterations), flush=True)
+    if first or (it + 1) % args.sample_every == 0 or last:
+        save_sample_grid(os.path.join(args.output_dir, "samples", f"iter-{it + 1:05d}.png"),
+                         images, prompts, r.cpu(), args.group_size)
+    if (it + 1) % args.sample_every == 0 or last:
+        write_curves(args.output_dir)
+    if (it + 1) % args.save_every == 0 or last:
+        save_checkpoint(args.output_dir, it + 1, run.family, run.optimizer, args, run.scaler)
+        prune_checkpoints(args.output_dir, args.keep_last)
+
+
+def summarize(output_dir, history):
+    if len(history) >= 2:
+        k = min(10, len(history) // 2)
+        print(f"vgrpo: done. mean reward of the first {k} iterations {sum(history[:k]) / k:+.5f}, "
+              f"of the last {k} {sum(history[-k:]) / k:+.5f}", flush=True)
+    png = write_curves(output_dir)
+    print(f"vgrpo: reward curves in {os.path.join(output_dir, 'rewards.csv')}"
+          + (f" and {png}" if png else " (pip install matplotlib for rewards.png)"), flush=True)
+
+
+def log_evaluation(run, it):
+    """Evaluate (every rank), then rank 0 appends to eval.jsonl, prints a line and saves a picture."""
+    m, images, prompts, r = evaluate(run, it)
+    if run.rank == 0:
+        with open(os.path.join(run.args.output_dir, "eval.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+        print(f"eval {it:5d}/{run.args.iterations} | " + " | ".join(f"{k.removeprefix('eval_')} {v:+.5f}"
+              for k, v in m.items() if k != "iteration"), flush=True)
+        if images is not None:
+            save_sample_grid(os.path.join(run.args.output_dir, "samples", f"eval-{it:05d}.png"), images, prompts,
+                             r, run.args.eval_images)
+
+
 def main(argv=None):
     args = parse_args(argv)
     import diffusers
     import transformers
 
     diffusers.utils.logging.set_verbosity_error()  # per-prompt truncation notices would drown the log
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # bf16 norms on CPU
     transformers.utils.logging.set_verbosity_error()
     validate(args, int(os.environ.get("WORLD_SIZE", 1)))
     stop_requested = install_stop_handlers()
     ddp, rank, world, device = setup_distributed(args.device, args.dist_timeout)
+    if device.type == "cuda" and args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     master = rank == 0
     if master:
         os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)
+        print(f"vgrpo: config{f' (preset {args.preset})' if args.preset else ''}: {command_line(args)}", flush=True)
+        with open(os.path.join(args.output_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=1)
         print(f"vgrpo: loading model '{args.model}' and reward '{args.reward}' ...", flush=True)
     run, start = build_run(args, rank, world, device)
     check_ranks_agree(run)
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if master:
         print(describe(run, start), flush=True)
-        trim_metrics(metrics_path, start)
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            trim_metrics(os.path.join(args.output_dir, name), start)
+    if args.eval_every and start == 0:
+        log_evaluation(run, 0)
     history, bad_streak = [], 0
     for it in range(start, args.iterations):
         stats, images, prompts, r, A = train_iteration(run, it)
@@ -955,15 +1401,9 @@ def main(argv=None):
         stop = any_rank(stop_requested, world, device)
         last = it + 1 == args.iterations or stop
         if master:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            print(log_line(m, args.iterations), flush=True)
-            if it == start or (it + 1) % args.sample_every == 0 or last:
-                save_sample_grid(os.path.join(args.output_dir, "samples", f"iter-{it + 1:05d}.png"),
-                                 images, prompts, r.cpu(), args.group_size)
-            if (it + 1) % args.save_every == 0 or last:
-                save_checkpoint(args.output_dir, it + 1, run.family, run.optimizer, args)
-                prune_checkpoints(args.output_dir, args.keep_last)
+            record(run, it, m, images, prompts, r, first=it == start, last=last)
+        if args.eval_every and ((it + 1) % args.eval_every == 0 or last):
+            log_evaluation(run, it + 1)
         if ddp:
             dist.barrier()  # nobody runs ahead of a checkpoint being written
         if bad_streak >= args.max_bad_steps:
@@ -974,10 +1414,8 @@ def main(argv=None):
                 print(f"vgrpo: stopped after iteration {it + 1}; checkpoint-{it + 1} saved. Continue with the "
                       f"same command plus --resume auto", flush=True)
             break
-    if master and len(history) >= 2:
-        k = min(10, len(history) // 2)
-        print(f"vgrpo: done. mean reward of the first {k} iterations {sum(history[:k]) / k:+.5f}, "
-              f"of the last {k} {sum(history[-k:]) / k:+.5f}", flush=True)
+    if master:
+        summarize(args.output_dir, history)
     if ddp:
         dist.barrier()
         dist.destroy_process_group()

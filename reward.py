@@ -4,22 +4,39 @@
     r = fn(images, prompts)     # images: float (B, 3, H, W) in [0, 1]; prompts: list of B str
                                 # r: torch.float32 tensor of shape (B,), on the CPU
 
+    r = fn(images, prompts, metadata)   # optional: a list of B dicts (a jsonl prompt file's rows, GenEval
+                                        # format); it reaches the rewards whose signature has `metadata`
+
 A spec is a comma-separated list of `name[:weight]`; the reward is the weighted sum. Each name maps to
 a loader in REWARDS that does its own (heavy) imports, so importing this module is cheap and a reward
 you do not use never needs its packages. Model-based rewards can also be built from a model and a
 processor you already hold (`clip_similarity_reward`), which is how the tests run them on tiny random
 CLIP models without downloading anything.
+
+Registry names and their scale on a base model (SD3.5-M / FLUX.1-dev), so that weights can be chosen:
+pickscore ~0.22, clipscore ~0.3, hpsv2 ~0.28, aesthetic ~5.5, imagereward ~1.0, ocr ~0.6, jpeg ~-0.2.
+Optional packages: ocr needs `pip install rapidocr-onnxruntime`; imagereward needs `pip install image-reward`
+in an environment of its own (see load_imagereward). Missing ones raise RewardError naming the package.
 """
 
+import inspect
 import io
 import math
 import os
+import re
 
 import torch
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 CLIPSCORE_MODEL = "openai/clip-vit-large-patch14"
+HPS_REPO, HPS_FILE = "xswu/HPSv2", "HPS_v2.1_compressed.pt"
+HPS_BACKBONE = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"   # the OpenCLIP ViT-H-14 that HPSv2.1 fine-tunes
+AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
+# The LAION aesthetic predictor's weights, as mirrored on the Hugging Face hub; override with the environment
+# variables VGRPO_AESTHETIC_REPO / VGRPO_AESTHETIC_FILE (a local .pth path works as VGRPO_AESTHETIC_FILE too).
+AESTHETIC_REPO = os.environ.get("VGRPO_AESTHETIC_REPO", "camenduru/improved-aesthetic-predictor")
+AESTHETIC_FILE = os.environ.get("VGRPO_AESTHETIC_FILE", "sac+logos+ava1-l14-linearMSE.pth")
 
 
 class RewardError(Exception):
@@ -53,6 +70,7 @@ def jpeg_reward(images, prompts):
 
 
 def load_jpeg(device):
+    """JPEG compressibility (jpeg_reward). Scale: about -0.08 to -0.24 for 512 px SD3.5 images."""
     return jpeg_reward
 
 
@@ -104,7 +122,7 @@ def _load_clip(model_id, processor_id, reward_name, device):
 def load_pickscore(device):
     """PickScore (Kirstain et al. 2023): logit_scale.exp() * cos / 26.
 
-    The division by 26 puts values near 0.20-0.25 for SD3.5 / FLUX images, the scale the V-GRPO,
+    Scale: the division by 26 puts values near 0.20-0.25 for SD3.5 / FLUX images, the scale the V-GRPO,
     DiffusionNFT and Flow-GRPO tables report (raw PickScore logits sit near 21-23).
     """
     model, processor = _load_clip(PICKSCORE_MODEL, PICKSCORE_PROCESSOR, "pickscore", device)
@@ -112,9 +130,240 @@ def load_pickscore(device):
 
 
 def load_clipscore(device):
-    """CLIPScore with openai/clip-vit-large-patch14: the plain cosine (= logits / 100), about 0.25-0.35."""
+    """CLIPScore with openai/clip-vit-large-patch14: the plain cosine (= logits / 100). Scale: about 0.25-0.35."""
     model, processor = _load_clip(CLIPSCORE_MODEL, CLIPSCORE_MODEL, "clipscore", device)
     return clip_similarity_reward(model, processor, device, use_logit_scale=False)
+
+
+def _hub_file(repo, filename, reward_name):
+    """A file from the Hugging Face hub (or the local path `filename`), with one clear error if unavailable."""
+    if os.path.isfile(filename):
+        return filename
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(repo, filename)
+    except Exception as e:  # offline, missing, gated: huggingface_hub raises many types
+        raise RewardError(f"reward '{reward_name}' needs {filename} from {repo}, which could not be loaded "
+                          f"({type(e).__name__}); download it first (`hf download {repo} {filename}`) "
+                          "or run with network access") from None
+
+
+def openclip_to_transformers(state_dict):
+    """An OpenCLIP ViT state dict (open_clip.model.CLIP) -> the same weights under transformers' CLIPModel names.
+
+    The architectures are the same network: OpenCLIP packs q, k, v into one `in_proj` of nn.MultiheadAttention
+    and stores the two projections as (width, embed) matrices used as `x @ proj`, transformers keeps three
+    Linear layers and (embed, width) weights. This is what lets HPSv2.1 run without open_clip, whose package
+    imports torchvision.
+    """
+    prefixes = [("visual.transformer.resblocks.", "vision_model.encoder.layers."),
+                ("transformer.resblocks.", "text_model.encoder.layers.")]
+    renames = {"visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+               "visual.class_embedding": "vision_model.embeddings.class_embedding",
+               "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
+               "visual.ln_pre.weight": "vision_model.pre_layrnorm.weight",
+               "visual.ln_pre.bias": "vision_model.pre_layrnorm.bias",
+               "visual.ln_post.weight": "vision_model.post_layernorm.weight",
+               "visual.ln_post.bias": "vision_model.post_layernorm.bias",
+               "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+               "positional_embedding": "text_model.embeddings.position_embedding.weight",
+               "ln_final.weight": "text_model.final_layer_norm.weight",
+               "ln_final.bias": "text_model.final_layer_norm.bias",
+               "logit_scale": "logit_scale"}
+    transposed = {"visual.proj": "visual_projection.weight", "text_projection": "text_projection.weight"}
+    block = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.out_proj": "self_attn.out_proj",
+             "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+    out = {}
+    for key, value in state_dict.items():
+        if key in renames:
+            out[renames[key]] = value
+        elif key in transposed:
+            out[transposed[key]] = value.t()
+        else:
+            src, dst = next(((s, d) for s, d in prefixes if key.startswith(s)), (None, None))
+            if src is None:
+                raise RewardError(f"unexpected key in an OpenCLIP checkpoint: {key}")
+            index, _, rest = key[len(src):].partition(".")   # '3', 'attn.in_proj_weight'
+            base = f"{dst}{index}."
+            if rest.startswith("attn.in_proj_"):                 # (3 width, ...) -> q, k, v
+                kind = rest[len("attn.in_proj_"):]
+                for part, chunk in zip("qkv", value.chunk(3, dim=0)):
+                    out[f"{base}self_attn.{part}_proj.{kind}"] = chunk
+            else:
+                name, _, kind = rest.rpartition(".")
+                if name not in block:
+                    raise RewardError(f"unexpected key in an OpenCLIP checkpoint: {key}")
+                out[f"{base}{block[name]}.{kind}"] = value
+    return out
+
+
+def load_hpsv2(device):
+    """HPSv2.1 (Wu et al. 2023): OpenCLIP ViT-H-14 fine-tuned on human preferences; reward = the raw cosine of
+    the L2-normalised image and text embeddings (HPSv2's `image_features @ text_features.T`, no logit scale).
+
+    Scale: about 0.25-0.30 for SD3.5-M / FLUX.1-dev images, the numbers the papers' tables report; 1 / 0.3
+    is the usual weight when it is mixed with rewards near 1. Runs as a transformers CLIPModel (config and
+    processor of the laion ViT-H-14 base, weights converted by openclip_to_transformers). HPSv2 resizes the
+    longest side and pads; for the square images trained here that is the processor's resize and centre crop.
+    """
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor
+
+    checkpoint = torch.load(_hub_file(HPS_REPO, HPS_FILE, "hpsv2"), map_location="cpu", weights_only=True)
+    state_dict = checkpoint.get("state_dict", checkpoint)
+    state_dict = {k.removeprefix("module."): v.float() for k, v in state_dict.items()}
+    try:
+        config = CLIPConfig.from_pretrained(HPS_BACKBONE)
+        processor = CLIPProcessor.from_pretrained(HPS_BACKBONE)
+    except (OSError, ValueError) as e:
+        raise RewardError(f"reward 'hpsv2' needs the config and processor of {HPS_BACKBONE}, which could not be "
+                          f"loaded ({type(e).__name__}); `hf download {HPS_BACKBONE} --include '*.json' '*.txt'`") from None
+    # OpenCLIP's ViT-H-14 uses the exact GELU (only OpenAI's CLIP models use quick_gelu)
+    config.text_config.hidden_act = config.vision_config.hidden_act = "gelu"
+    model = CLIPModel(config)
+    model.load_state_dict(openclip_to_transformers(state_dict))
+    return clip_similarity_reward(model, processor, device, use_logit_scale=False)
+
+
+# --------------------------------------------------------------------------- aesthetic and ImageReward
+
+
+class AestheticMLP(torch.nn.Module):
+    """The LAION aesthetic predictor head (sac+logos+ava1-l14-linearMSE): five Linear layers and no
+    nonlinearity, so it is an affine map of the CLIP ViT-L/14 embedding trained with MSE on 1-10 ratings.
+    Parameter names (`layers.0.weight`, ...) match the released .pth."""
+
+    def __init__(self, dim=768):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(dim, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128), torch.nn.Dropout(0.2),
+            torch.nn.Linear(128, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def aesthetic_reward(model, processor, mlp, device):
+    """Reward = mlp(image embedding / |image embedding|) for a CLIPModel and an AestheticMLP; the prompt is unused."""
+    model = model.to(device).eval().requires_grad_(False)
+    mlp = mlp.to(device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def fn(images, prompts):
+        pixels = processor(images=to_uint8_images(images), return_tensors="pt")["pixel_values"].to(device)
+        emb = _features(model.get_image_features(pixel_values=pixels)).float()
+        emb = emb / emb.norm(dim=-1, keepdim=True)
+        return mlp(emb).squeeze(-1).float().cpu()
+
+    return fn
+
+
+def load_aesthetic(device):
+    """LAION aesthetic score: CLIP ViT-L/14 image embedding, L2-normalised, into the linear MLP above.
+
+    Scale: the 1-10 rating scale, about 5.0-5.5 for SD3.5-M and 5.5-6.5 for FLUX.1-dev images; kept raw (not
+    divided by 10) because that is what the papers' tables report, so weight it about 0.1 next to rewards near 1.
+    """
+    model, processor = _load_clip(AESTHETIC_CLIP, AESTHETIC_CLIP, "aesthetic", device)
+    mlp = AestheticMLP()
+    state_dict = torch.load(_hub_file(AESTHETIC_REPO, AESTHETIC_FILE, "aesthetic"), map_location="cpu", weights_only=True)
+    mlp.load_state_dict(state_dict.get("state_dict", state_dict))
+    return aesthetic_reward(model, processor, mlp, device)
+
+
+def load_imagereward(device):
+    """ImageReward-v1.0 (Xu et al. 2023): BLIP ViT-L + BERT cross-attention + MLP, trained on 137k expert
+    comparisons; the package standardises the score (mean 0, std 1 over its training set).
+
+    Scale: about 0.9-1.0 for SD3.5-M / FLUX.1-dev images, 1.3-1.6 after preference RL.
+    The `image-reward` package (1.5) imports torchvision, OpenAI's `clip`, timm==0.6.13, fairscale and helpers
+    that transformers 5 removed, so it does not import next to this project's requirements: install it in an
+    environment of its own and serve it with `http_reward`, or here if your stack is older.
+    """
+    try:
+        import ImageReward as RM
+    except ImportError as e:
+        raise RewardError(f"reward 'imagereward' needs the image-reward package (`pip install image-reward`), "
+                          f"which failed to import: {e}") from None
+    model = RM.load("ImageReward-v1.0", device=device).eval()
+
+    @torch.no_grad()
+    def fn(images, prompts):
+        # one prompt per image: score(prompt, [image]) standardises exactly as ImageReward reports it
+        pil = to_uint8_images(images)
+        return torch.tensor([float(model.score(p, im)) for p, im in zip(prompts, pil)], dtype=torch.float32)
+
+    return fn
+
+
+# --------------------------------------------------------------------------- OCR (text rendering)
+
+
+def edit_distance(a, b):
+    """Levenshtein distance: the fewest single-character insertions, deletions and substitutions turning a into b."""
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+_QUOTED = [re.compile(p) for p in (r'"([^"]*)"', r"“([^”]*)”", r"(?<!\w)'(.*?)'(?!\w)", r"‘([^’]*)’")]
+
+
+def quoted_text(prompt):
+    """The text a prompt asks to render: the first "..." span, else “...”, else '...' (an apostrophe inside a word
+    does not open or close one), else ‘...’; None when the prompt quotes nothing."""
+    for pattern in _QUOTED:
+        match = pattern.search(prompt)
+        if match:
+            return match.group(1)
+    return None
+
+
+def ocr_score(recognized, target):
+    """1 - edit distance / len(target), clipped to [0, 1], after lower-casing and removing all whitespace."""
+    recognized, target = ("".join(s.lower().split()) for s in (recognized, target))
+    return max(0.0, 1.0 - edit_distance(recognized, target) / max(len(target), 1))
+
+
+def ocr_reward(read_text):
+    """OCR reward from any recogniser `read_text(PIL image) -> str`. The target is metadata[i]["text"] when the
+    prompt file gives one, else the quoted text of the prompt; a prompt with neither scores 0 (so its whole
+    group has equal rewards and zero advantage: it does not train, but it does not break the batch)."""
+
+    def fn(images, prompts, metadata=None):
+        rewards = []
+        for i, (image, prompt) in enumerate(zip(to_uint8_images(images), prompts)):
+            target = (metadata[i] or {}).get("text") if metadata else None
+            target = quoted_text(prompt) if target is None else target
+            rewards.append(0.0 if target is None else ocr_score(read_text(image), target))
+        return torch.tensor(rewards, dtype=torch.float32)
+
+    return fn
+
+
+def load_ocr(device):
+    """OCR reward (Flow-GRPO's text-rendering task) with RapidOCR: PP-OCRv4 detection and recognition in ONNX,
+    shipped inside the wheel, so it runs offline on the CPU. Texts of all detected boxes are joined in the
+    engine's reading order (top to bottom, left to right) before scoring.
+
+    Scale: [0, 1]; about 0.6 for SD3.5-M on the Flow-GRPO text-rendering prompts, above 0.9 after RL.
+    """
+    try:
+        import numpy as np
+        from rapidocr_onnxruntime import RapidOCR
+    except ImportError:
+        raise RewardError("reward 'ocr' needs rapidocr-onnxruntime: pip install rapidocr-onnxruntime") from None
+    engine = RapidOCR()
+
+    def read_text(image):
+        result, _ = engine(np.asarray(image))
+        return "".join(text for _, text, _ in result or [])
+
+    return ocr_reward(read_text)
 
 
 # --------------------------------------------------------------------------- remote and user rewards
@@ -163,7 +412,8 @@ def http_reward(url, timeout=120.0, retries=3, backoff=2.0):
 
 
 def python_reward(path, name):
-    """`--reward my_rewards.py:fn`: fn(images, prompts) -> (B,) from a file of your own, no registry edit."""
+    """`--reward my_rewards.py:fn`: fn(images, prompts) -> (B,) from a file of your own, no registry edit.
+    Declare `fn(images, prompts, metadata=None)` to also receive the prompt file's per-prompt dicts."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(f"user_reward_{abs(hash(path))}", path)
@@ -176,7 +426,8 @@ def python_reward(path, name):
 
 # --------------------------------------------------------------------------- registry and weighted sums
 
-REWARDS = {"jpeg": load_jpeg, "pickscore": load_pickscore, "clipscore": load_clipscore}
+REWARDS = {"jpeg": load_jpeg, "pickscore": load_pickscore, "clipscore": load_clipscore, "hpsv2": load_hpsv2,
+           "aesthetic": load_aesthetic, "imagereward": load_imagereward, "ocr": load_ocr}
 
 
 def _split_weight(item):
@@ -215,20 +466,33 @@ def parse_reward_spec(spec):
     return parts
 
 
+def accepts_metadata(fn):
+    """True when fn can be called as fn(images, prompts, metadata=...): a `metadata` parameter or **kwargs."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return False
+    return any(p.name == "metadata" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 class WeightedReward:
     """Sum of weighted rewards, checked at the boundary: each part must return a float tensor of shape
     (B,), else RewardError names it. `last_parts` keeps each component of the last call for logging;
-    `nonfinite` names the parts whose last values were NaN or Inf (the trainer then skips the update)."""
+    `nonfinite` names the parts whose last values were NaN or Inf (the trainer then skips the update).
+    `metadata`, a list of B dicts or None, reaches only the parts whose signature accepts it."""
 
     def __init__(self, parts):
         self.parts = parts  # list of (name, weight, fn)
+        self.takes_metadata = {name: accepts_metadata(fn) for name, _, fn in parts}
         self.last_parts, self.nonfinite = {}, []
 
-    def __call__(self, images, prompts):
+    def __call__(self, images, prompts, metadata=None):
+        if metadata is not None and len(metadata) != len(images):
+            raise RewardError(f"metadata has {len(metadata)} entries for {len(images)} images")
         total = torch.zeros(len(images), dtype=torch.float32)
         self.nonfinite = []
         for name, weight, fn in self.parts:
-            r = fn(images, prompts)
+            r = fn(images, prompts, metadata=metadata) if self.takes_metadata[name] else fn(images, prompts)
             if not isinstance(r, torch.Tensor) or r.shape != (len(images),) or not r.is_floating_point():
                 raise RewardError(f"reward '{name}' returned {type(r).__name__} "
                                   f"{tuple(getattr(r, 'shape', ()))}, expected a float tensor of shape ({len(images)},)")

@@ -45,6 +45,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -131,14 +132,15 @@ class Args:
 
 
 # The paper's reported settings (METHOD.md), one flag each. What no source settles is chosen and marked.
+# No lr here: Args picks 3e-4 for LoRA (the paper's SD3.5-M value) and 1e-5 with --full-finetune.
 _SD3 = dict(model="sd3", resolution=512, sampler="dpmpp2m", sample_steps=40, guidance=1.0, prompts_per_step=48,
-            group_size=24, n_mc=4, inner_steps=1, adv_soft_clip=3.0, lora_rank=32, lora_alpha=64.0, lr=3e-4,
+            group_size=24, n_mc=4, inner_steps=1, adv_soft_clip=3.0, lora_rank=32, lora_alpha=64.0,
             full_finetune=False, iterations=150, mixed_precision="bf16", gradient_checkpointing=True, save_every=25)
 # FLUX: 16-step DPM-Solver++, N_MC 4, 300 iterations, several gradient steps with the ratio clip (the paper);
 # 12 images per prompt at 720 px (MixGRPO's setting on the same benchmark); LoRA r32 at 3e-4 (our choice: full
 # fine-tuning of 12B weights needs sharded optimizer states, which this script does not do).
 _FLUX = dict(model="flux", resolution=720, sampler="dpmpp2m", sample_steps=16, guidance=3.5, prompts_per_step=32,
-             group_size=12, n_mc=4, inner_steps=4, clip_eps=0.01, lora_rank=32, lora_alpha=64.0, lr=3e-4,
+             group_size=12, n_mc=4, inner_steps=4, clip_eps=0.01, lora_rank=32, lora_alpha=64.0,
              full_finetune=False, iterations=300, mixed_precision="bf16", gradient_checkpointing=True, save_every=25)
 PRESETS = {
     "sd3-pickscore": dict(_SD3, reward="pickscore"),
@@ -178,7 +180,7 @@ def command_line(args):
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
         elif f.name != "preset" and value is not None:  # None: resolved later (micro-batch before validate)
-            out.append(f"{flag} {json.dumps(value) if isinstance(value, str) and (not value or ' ' in value) else value}")
+            out.append(f"{flag} {shlex.quote(value) if isinstance(value, str) else value}")
     return " ".join(out)
 
 
@@ -226,10 +228,11 @@ def validate(args, world_size):
         raise UsageError(f"unknown --reward-advantage '{args.reward_advantage}': valid choices are sum, per-reward")
     for flag, spec in (("--reward", args.reward), ("--eval-rewards", args.eval_rewards)):
         try:
-            if spec or flag == "--reward":
-                rewards_lib.parse_reward_spec(spec)
+            names = [name for name, _ in rewards_lib.parse_reward_spec(spec)] if spec or flag == "--reward" else []
         except ValueError as e:
             raise UsageError(f"{flag}: {e}") from None
+        if len(set(names)) < len(names):
+            raise UsageError(f"{flag} {spec}: a reward is named twice; give it one weight")
     for name in ("sample_steps", "iterations", "prompts_per_step", "n_mc", "inner_steps", "save_every", "sample_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -337,10 +340,12 @@ def group_advantages(rewards, group_size, eps=1e-4, soft_clip=None):
 
 
 def per_reward_advantages(parts, weights, group_size, eps=1e-4, soft_clip=None):
-    """Several rewards combined after normalisation (MixGRPO's choice): A = sum_k w_k A(r_k), each reward's
-    group advantage computed alone, so a reward with a large scale cannot drown the others.
-    parts: {name: (P*G,) rewards}; weights: {name: w}. soft_clip as in group_advantages, on the sum."""
+    """Several rewards combined after normalisation (MixGRPO's choice): A = sum_k w_k A(r_k) / sum_k |w_k|,
+    each reward's group advantage computed alone, so a reward with a large scale cannot drown the others.
+    Dividing by the weights' sum keeps A on the scale of one advantage, whatever the weights (`jpeg:100`
+    scales a reward, it should not scale the step). parts: {name: (P*G,)}; weights: {name: w}."""
     A = sum(w * group_advantages(parts[name], group_size, eps) for name, w in weights.items())
+    A = A / sum(abs(w) for w in weights.values())
     if soft_clip:
         A = soft_clip * torch.tanh(A / soft_clip)
     return A
@@ -474,7 +479,7 @@ class Family:
     between uses), mixed-precision forward passes, LoRA saving in the pipeline's own format."""
 
     cfg = True  # does --guidance mean classifier-free guidance (two passes)? FLUX feeds it to an embedding
-    cache_bytes = 8 << 30  # embeddings kept per prompt (FLUX's 512 T5 tokens: 4 MB each in bf16), oldest dropped
+    cache_bytes = 2 << 30  # embeddings kept per prompt (FLUX's 512 T5 tokens: 4 MB each in bf16), oldest dropped
 
     def __init__(self, pipe, resolution, max_sequence_length, device, amp_dtype=None, offload_text_encoders=False):
         self.pipe, self.device, self.max_sequence_length = pipe, device, max_sequence_length
@@ -578,8 +583,10 @@ class FluxFamily(Family):
     embedding in a single pass (no CFG). Its schedule is linspace(1, 1/S, S) shifted by a resolution-dependent mu."""
 
     cfg = False
-    lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-                    "proj_mlp", "proj_out"]
+    # every linear layer inside the blocks: attention of both streams, the double blocks' feed-forwards, the
+    # single blocks' fused MLP (proj_mlp in, proj_out out); not the model's own input / output layers
+    lora_targets = (r".*blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+                    r"|proj_mlp|proj_out|ff(_context)?\.net\.(0\.proj|2))")
 
     def __init__(self, pipe, resolution, max_sequence_length, device, guidance=3.5, **kw):
         super().__init__(pipe, resolution, max_sequence_length, device, **kw)
@@ -840,7 +847,7 @@ def old_surrogate(family, model, batch, args, n_prompts):
 def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None):
     """--inner-steps optimizer steps on the clipped surrogate objective; returns averaged stats.
     scaler: a GradScaler with --mixed-precision fp16 (fp16 gradients underflow without loss scaling)."""
-    stats, ratio_dev_first = {}, 0.0
+    stats, ratio_dev_first, finite_loss = {}, 0.0, True
     per_mb = n_prompts * args.group_size // args.inner_steps
     chunks = list(micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch))
     for i, (k, idx) in enumerate(chunks):
@@ -854,6 +861,7 @@ def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None
                                   batch["x0_old"][idx] if args.beta > 0 else None)
             part = loss * len(idx) / per_mb
             (scaler.scale(part) if scaler else part).backward()
+        finite_loss &= math.isfinite(st["policy_loss"])
         if k == 0:  # before any optimizer step: must be exactly 0
             ratio_dev_first = max(ratio_dev_first, (torch.exp(s_new - batch["s_old"][idx]) - 1).abs().max().item())
         for name, value in st.items():
@@ -867,13 +875,14 @@ def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None
             if scaler:  # an fp16 overflow only lowers the loss scale; a non-finite loss is a bad step
                 scaler.step(optimizer)
                 scaler.update()
-                if not math.isfinite(st["policy_loss"]):
+                if not finite_loss:
                     stats.setdefault("skipped_steps", []).append(1)
             elif math.isfinite(grad_norm):
                 optimizer.step()
             else:  # a NaN / Inf loss or gradient: drop this step, the weights stay finite
                 stats.setdefault("skipped_steps", []).append(1)
             optimizer.zero_grad(set_to_none=True)
+            finite_loss = True
     skipped = len(stats.pop("skipped_steps", []))
     out = {name: sum(v) / len(v) for name, v in stats.items() if name not in ("ratio_min", "ratio_max")}
     out.update(ratio_min=min(stats["ratio_min"]), ratio_max=max(stats["ratio_max"]),
@@ -1137,7 +1146,7 @@ def metric_name(reward_name):
 @torch.no_grad()
 def evaluate(run, it):
     """Deterministic evaluation on the held-out prompts with the current weights: the same noises every time
-    (keyed by prompt and image, never by iteration), the ODE sampler, rewards that may differ from the
+    (keyed by prompt and image, never by iteration or --seed, so runs are comparable), the ODE sampler, rewards that may differ from the
     training reward (so reward hacking shows: training reward up, held-out rewards down).
     Ranks take every world-th prompt; sums are reduced. -> (metrics, images, prompts, rewards) of rank's first prompts."""
     args, family, fn = run.args, run.family, run.eval_reward_fn
@@ -1148,7 +1157,7 @@ def evaluate(run, it):
     for start in range(0, len(mine), args.micro_batch):
         chunk = mine[start:start + args.micro_batch]
         prompts = [run.eval_prompts[i] for i, _ in chunk]
-        noise = torch.stack([torch.randn(family.latent_shape, generator=keyed_generator(args.seed, "eval", i, k))
+        noise = torch.stack([torch.randn(family.latent_shape, generator=keyed_generator("eval", i, k))
                              for i, k in chunk]).to(run.device)
         o = rollout(family, family.transformer, family.encode(prompts), noise, run.sigmas, args, run.negative)
         images = family.decode(o)
@@ -1157,8 +1166,8 @@ def evaluate(run, it):
         except rewards_lib.RewardError as e:
             raise FatalError(f"evaluation: {e}") from None
         sums += torch.tensor([*(fn.last_parts[n].double().sum() for n in names), total.double().sum(), len(chunk)])
-        if len(shown) < 4 * args.eval_images:
-            shown.append((images, prompts, total))
+        if sum(len(x[1]) for x in shown) < 4 * args.eval_images:  # the first 4 prompts' images for the picture
+            shown.append((images.cpu(), prompts, total))
     if run.world > 1:
         sums = sums.to(run.device)
         dist.all_reduce(sums)
@@ -1200,11 +1209,13 @@ def log_line(m, total):
 def build_run(args, rank, world, device):
     """Load the model, reward and optimizer (and a checkpoint) -> (Run, first iteration)."""
     prompts, metadata = load_prompts(args.prompts)
-    eval_prompts, eval_metadata = load_prompts(args.eval_prompts) if args.eval_prompts else (None, None)
+    eval_prompts, eval_metadata = load_prompts(args.eval_prompts) if args.eval_every else (None, None)
     family = load_family(args, device)
     try:
         reward_fn = rewards_lib.load_reward(args.reward, device)
-        eval_reward_fn = rewards_lib.load_reward(args.eval_rewards or args.reward, device) if eval_prompts else None
+        eval_spec = args.eval_rewards or args.reward  # the same spec: share the loaded models, not a second copy
+        eval_reward_fn = None if not args.eval_every else reward_fn if eval_spec == args.reward else \
+            rewards_lib.load_reward(eval_spec, device)
     except rewards_lib.RewardError as e:
         raise UsageError(str(e)) from None
     params = add_trainable_weights(family, args)
@@ -1246,8 +1257,8 @@ def trim_metrics(path, start):
     """On resume, drop logged iterations after the checkpoint (a run that died later logged them)."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["iteration"] <= start]
+    with open(path) as f:  # a fresh run (start 0) drops everything, the old evaluation at iteration 0 too
+        keep = [line for line in f if start and line.strip() and json.loads(line)["iteration"] <= start]
     with open(path, "w") as f:
         f.writelines(keep)
 
@@ -1280,8 +1291,18 @@ def write_curves(output_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    try:  # a picture must never stop a long run
+        return plot_curves(plt, rows, columns, os.path.join(output_dir, "rewards.png"))
+    except Exception as e:
+        print(f"vgrpo: could not draw rewards.png ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return None
+
+
+def plot_curves(plt, rows, columns, path):
     panels = [k for k in columns if k == "reward_mean" or k.startswith("eval_") or
               (k.startswith("reward_") and k not in ("reward_std", "reward_group_std"))][:8]
+    if not panels:
+        return None
     cols = min(4, len(panels))
     rows_ = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows_, cols, figsize=(3.6 * cols, 3.0 * rows_), squeeze=False)
@@ -1302,7 +1323,6 @@ def write_curves(output_dir):
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = os.path.join(output_dir, "rewards.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -1402,7 +1422,7 @@ def main(argv=None):
         last = it + 1 == args.iterations or stop
         if master:
             record(run, it, m, images, prompts, r, first=it == start, last=last)
-        if args.eval_every and ((it + 1) % args.eval_every == 0 or last):
+        if args.eval_every and ((it + 1) % args.eval_every == 0 or it + 1 == args.iterations):
             log_evaluation(run, it + 1)
         if ddp:
             dist.barrier()  # nobody runs ahead of a checkpoint being written

@@ -283,8 +283,10 @@ def load_imagereward(device):
     try:
         import ImageReward as RM
     except ImportError as e:
-        raise RewardError(f"reward 'imagereward' needs the image-reward package (`pip install image-reward`), "
-                          f"which failed to import: {e}") from None
+        raise RewardError(f"reward 'imagereward' needs the image-reward package, which failed to import ({e}); "
+                          "pip install image-reward in an environment of its own (it needs torchvision and "
+                          "transformers 4) and serve it with the README's HTTP protocol: "
+                          "--reward http://host:port/imagereward") from None
     model = RM.load("ImageReward-v1.0", device=device).eval()
 
     @torch.no_grad()

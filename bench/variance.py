@@ -15,10 +15,13 @@ alone (group-shared pairs, stratified sigmas, adaptive weighting), then all thre
 import argparse
 import os
 import sys
+import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import learning  # noqa: E402  (the tiny model, built as vgrpo builds it)
 import vgrpo  # noqa: E402
 
 SETTINGS = {  # name: (pair sharing, stratified, weighting)
@@ -49,6 +52,35 @@ def measure(family, o, cond, sigmas, group_size, draws, n_mc, seed):
     return out
 
 
+def run(seeds=3, draws=16, n_prompts=4, group_size=8, out=None, family=None):
+    """Measure every setting over `seeds` rollouts; write the table (with its set-up line) to `out` -> text."""
+    family = family or learning.tiny_family()
+    sigmas = family.sigma_grid(10)
+    rows = {name: [] for name in SETTINGS}
+    for seed in range(seeds):
+        prompts = [vgrpo.DEFAULT_PROMPTS[(seed * n_prompts + i) % len(vgrpo.DEFAULT_PROMPTS)]
+                   for i in range(n_prompts) for _ in range(group_size)]
+        cond = family.encode(prompts)
+        noise = torch.randn(len(prompts), *family.latent_shape, generator=torch.Generator().manual_seed(seed))
+        o = vgrpo.rollout(family, family.transformer, cond, noise, sigmas,
+                          types.SimpleNamespace(sampler="dpmpp2m", guidance=1.0, micro_batch=16))
+        for name, value in measure(family, o, cond, sigmas, group_size, draws, 4, seed).items():
+            rows[name].append(value)
+        print(f"seed {seed} done", flush=True)
+    lines = ["| setting | cv of the surrogate | within-group cv |", "| --- | --- | --- |"]
+    for name, values in rows.items():
+        cv, gcv = torch.tensor(values).T
+        spread = lambda t: f"{t.mean():.3f}" + (f" ± {t.std():.3f}" if len(t) > 1 else "")  # noqa: E731
+        lines.append(f"| {name} | {spread(cv)} | {spread(gcv)} |")
+    text = (f"Tiny random SD3, N_MC = 4, 10-step grid, {n_prompts} prompts x {group_size} images, "
+            f"{draws} pair draws, {seeds} seed(s) (mean ± std over seeds).\n\n" + "\n".join(lines) + "\n")
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
+    return text
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seeds", type=int, default=3)
@@ -60,29 +92,7 @@ def main():
     a = p.parse_args()
     if a.quick:
         a.seeds, a.draws, a.prompts, a.group_size = 1, 3, 2, 3
-    family = vgrpo.load_family(vgrpo.Args(), torch.device("cpu"))
-    sigmas = family.sigma_grid(10)
-    rows = {name: [] for name in SETTINGS}
-    for seed in range(a.seeds):
-        prompts = [vgrpo.DEFAULT_PROMPTS[(seed * a.prompts + i) % len(vgrpo.DEFAULT_PROMPTS)]
-                   for i in range(a.prompts) for _ in range(a.group_size)]
-        cond = family.encode(prompts)
-        noise = torch.randn(len(prompts), *family.latent_shape, generator=torch.Generator().manual_seed(seed))
-        o = vgrpo.rollout(family, family.transformer, cond, noise, sigmas, vgrpo.Args(micro_batch=16))
-        for name, value in measure(family, o, cond, sigmas, a.group_size, a.draws, 4, seed).items():
-            rows[name].append(value)
-        print(f"seed {seed} done", flush=True)
-    lines = ["| setting | cv of the surrogate | within-group cv |", "| --- | --- | --- |"]
-    for name, values in rows.items():
-        cv, gcv = torch.tensor(values).T
-        spread = lambda t: f"{t.mean():.3f}" + (f" ± {t.std():.3f}" if len(t) > 1 else "")
-        lines.append(f"| {name} | {spread(cv)} | {spread(gcv)} |")
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        f.write(f"Tiny random SD3, N_MC = 4, 10-step grid, {a.prompts} prompts x {a.group_size} images, "
-                f"{a.draws} pair draws, {a.seeds} seed(s) (mean ± std over seeds).\n\n{table}\n")
+    print(run(a.seeds, a.draws, a.prompts, a.group_size, a.out))
 
 
 if __name__ == "__main__":

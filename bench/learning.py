@@ -1,0 +1,258 @@
+"""Learning efficiency, issue 5 item 2: V-GRPO, the naive ELBO surrogate and an MDP baseline, side by side.
+
+    python bench/learning.py --reward jpeg --seed 0 --out /tmp/jpeg-0.json     # one job (run.py runs six)
+
+One process trains three copies of the same tiny random SD3 transformer (vgrpo.build_tiny_sd3_pipeline, full
+fine-tuning, AdamW, the same learning rate) on the same prompts, the same starting noises and the same group
+size, one iteration of each method in turn (the order rotates every iteration), so that a busy machine
+slows all three alike and their seconds can be compared:
+
+  V-GRPO       vgrpo.py's functions: DPM-Solver++ rollout, batch-shared stratified pairs, adaptive weighting
+  naive ELBO   the same loop with the reductions off: independent uniform pairs, plain MSE (FPO-style)
+  MDP          bench/mdp_baseline.py: Flow-GRPO's SDE rollout, per-step log-probabilities and clipped
+               ratios, trained on K random steps of each sample's trajectory
+
+All three take one optimizer step per iteration (vgrpo's tiny default; on-policy, so no ratio is clipped).
+Every `eval_every` iterations each policy is scored on the same fixed evaluation set with the same
+deterministic sampler (DPM-Solver++, the deployed one): the MDP trains on SDE samples, so its training
+rewards are not comparable, its ODE samples are. Model evaluations (NFE) count transformer forward rows:
+rollout S per sample, plus for V-GRPO N_MC old-surrogate rows and N_MC update rows (the latter also
+back-propagated), for the MDP K update rows (back-propagated; its old log-probabilities come from the rollout).
+"""
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import sys
+import time
+import types
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import mdp_baseline as mdp  # noqa: E402
+import reward as rewards_lib  # noqa: E402
+import vgrpo  # noqa: E402
+
+METHODS = ("V-GRPO", "naive ELBO", "MDP")
+
+
+@dataclasses.dataclass
+class Setup:
+    prompts_per_step: int = 2      # P
+    group_size: int = 8            # G (vgrpo's default; G = 4 learned too slowly to see in minutes)
+    sample_steps: int = 10         # S, for every method's rollout and for the evaluation
+    n_mc: int = 4                  # V-GRPO pairs per sample, and K, the MDP's trained steps per sample
+    iterations: int = 24
+    eval_every: int = 4
+    eval_samples: int = 16         # evaluation set: the first (up to) 8 prompts, fixed noises, 16 samples
+    eval_prompts: int = 8
+    lr: float = 2e-3               # vgrpo's tiny default, used for all three (no per-method tuning)
+    max_grad_norm: float = 1.0
+    clip_eps: float = 0.01         # V-GRPO / naive ELBO ratio clip (vgrpo's default)
+    mdp_clip_eps: float = 1e-4     # Flow-GRPO's per-step clip range
+    mdp_noise: float = 0.7         # Flow-GRPO's a
+    micro_batch: int = 16
+
+
+# --------------------------------------------------------------------------- the two rewards
+
+COLOURS = {"red": (1, 0, 0), "green": (0, 1, 0), "blue": (0, 0, 1), "yellow": (1, 1, 0),
+           "cyan": (0, 1, 1), "magenta": (1, 0, 1), "white": (1, 1, 1), "black": (0, 0, 0)}
+COLOUR_PROMPTS = ["a red square", "a cyan square"]  # complementary: no global shift helps both
+
+
+def named_colour(prompt):
+    return next(COLOURS[w] for w in prompt.split() if w in COLOURS)
+
+
+def colour_reward(images, prompts):
+    """Prompt-conditional verifiable reward: minus the Euclidean distance between the image's mean RGB and
+    the colour the prompt names ("a red square" -> (1, 0, 0)); images in [0, 1] -> (B,) in [-sqrt(3), 0].
+
+    The tiny model's random VAE starts every image near the same grey-blue mean colour (0.44, 0.54, 0.58),
+    0.87 from red and 0.62 from cyan; GRPO normalises the reward per group, so what is learned is the
+    direction towards the named colour. The two prompts name complementary colours, so a change of the
+    overall colour helps one as much as it hurts the other: only a prompt-dependent change gains. (With all
+    eight colours V-GRPO learned nothing visible in 30 iterations in a trial run, and with red and blue it
+    first learned a shift good for both; this model's random text path is weak.)
+    """
+    target = torch.tensor([named_colour(p) for p in prompts], dtype=torch.float32)
+    return -(images.float().mean((2, 3)) - target).norm(dim=1)
+
+
+def jpeg_reward(images, prompts):
+    """JPEG compressibility scaled as vgrpo's demo default (jpeg:100): -kB / 5 for 32 px images."""
+    return 100 * rewards_lib.jpeg_reward(images, prompts)
+
+
+def make_task(name, family, sigmas):
+    """-> (reward function, prompt list) of the task `name`."""
+    if name == "jpeg":
+        return jpeg_reward, list(vgrpo.DEFAULT_PROMPTS)
+    return colour_reward, list(COLOUR_PROMPTS)
+
+
+TASKS = ("jpeg", "colour")
+
+
+# --------------------------------------------------------------------------- the model and the inputs
+
+
+def tiny_family():
+    """vgrpo's tiny SD3 (seed 0: the 'pretrained' model every method starts from), as vgrpo loads it."""
+    pipe = vgrpo.build_tiny_sd3_pipeline(0)
+    pipe.set_progress_bar_config(disable=True)
+    for m in (pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+        m.requires_grad_(False)
+    return vgrpo.SD3Family(pipe, 32, 8, torch.device("cpu"))
+
+
+def iteration_inputs(family, prompts, setup, seed, it):
+    """Prompts, conditioning and starting noise of iteration `it`, keyed so every method gets the same."""
+    order = torch.randperm(len(prompts), generator=vgrpo.keyed_generator(seed, "prompts", it))
+    ids = [(j, m) for j in range(setup.prompts_per_step) for m in range(setup.group_size)]
+    chosen = [prompts[order[j % len(order)]] for j, _ in ids]
+    noise = torch.stack([torch.randn(family.latent_shape, generator=vgrpo.keyed_generator(seed, "noise", it, j, m))
+                         for j, m in ids])
+    return {"ids": ids, "prompts": chosen, "cond": family.encode(chosen), "noise": noise}
+
+
+def eval_inputs(family, prompts, setup, seed):
+    use = prompts[:setup.eval_prompts]
+    chosen = [p for p in use for _ in range(max(1, setup.eval_samples // len(use)))]
+    noise = torch.stack([torch.randn(family.latent_shape, generator=vgrpo.keyed_generator(seed, "eval", i))
+                         for i in range(len(chosen))])
+    return {"prompts": chosen, "cond": family.encode(chosen), "noise": noise}
+
+
+def decode(family, o, micro_batch):
+    return torch.cat([family.decode(o[idx]) for idx in torch.arange(len(o)).split(micro_batch)])
+
+
+# --------------------------------------------------------------------------- one iteration of each method
+
+
+class Learner:
+    """One method's trainable copy of the transformer, its optimizer and its running totals."""
+
+    def __init__(self, name, family, base_state, setup):
+        self.name, self.setup = name, setup
+        self.model = copy.deepcopy(family.transformer)
+        self.model.load_state_dict(base_state)
+        self.model.requires_grad_(True)
+        self.params = list(self.model.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=0.0)
+        naive = name == "naive ELBO"
+        # the attributes vgrpo.rollout / old_surrogate / update read
+        self.args = types.SimpleNamespace(
+            sampler="dpmpp2m", guidance=1.0, micro_batch=setup.micro_batch, group_size=setup.group_size,
+            inner_steps=1, n_mc=setup.n_mc, beta=0.0, clip_eps=setup.clip_eps, max_grad_norm=setup.max_grad_norm,
+            pair_sharing="none" if naive else "batch", stratified=not naive, weighting="none" if naive else "adaptive")
+
+
+def elbo_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):
+    """V-GRPO (or the naive ELBO): rollout -> reward -> advantages -> pairs + old surrogate -> update."""
+    args, B, P = learner.args, len(inputs["noise"]), learner.setup.prompts_per_step
+    t0 = time.perf_counter()
+    o = vgrpo.rollout(family, learner.model, inputs["cond"], inputs["noise"], sigmas, args)
+    images = decode(family, o, args.micro_batch)
+    t1 = time.perf_counter()
+    r = reward_fn(images, inputs["prompts"])
+    A = vgrpo.group_advantages(r, args.group_size)
+    t2 = time.perf_counter()
+    sig, eps = vgrpo.draw_pairs(sigmas, args.n_mc, family.latent_shape, inputs["ids"], args.pair_sharing,
+                                args.stratified, seed, it)
+    batch = {"o": o, "cond": inputs["cond"], "A": A, "sigmas": sig, "eps": eps}
+    batch["s_old"], batch["x0_old"] = vgrpo.old_surrogate(family, learner.model, batch, args, P)
+    t3 = time.perf_counter()
+    stats = vgrpo.update(family, learner.model, learner.optimizer, learner.params, batch, args, P)
+    t4 = time.perf_counter()
+    nfe = B * (len(sigmas) - 1) + 2 * B * args.n_mc
+    return dict(reward=r.mean().item(), time_rollout=t1 - t0, time_reward=t2 - t1, time_old=t3 - t2,
+                time_update=t4 - t3, nfe=nfe, backprop_rows=B * args.n_mc, grad_norm=stats["grad_norm"],
+                ratio_dev_first=stats["ratio_dev_first"])
+
+
+def mdp_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):
+    """The MDP baseline: SDE rollout with log-probabilities -> reward -> advantages -> per-step update."""
+    s, B, S = learner.setup, len(inputs["noise"]), len(sigmas) - 1
+    t0 = time.perf_counter()
+    step_noise = torch.stack([torch.randn((S, *family.latent_shape), generator=vgrpo.keyed_generator(seed, "sde", it, j, m))
+                              for j, m in inputs["ids"]])
+    states, log_probs = mdp.sde_rollout(family, learner.model, inputs["cond"], inputs["noise"], step_noise,
+                                        sigmas, s.mdp_noise, s.micro_batch)
+    images = decode(family, states[:, -1], s.micro_batch)
+    t1 = time.perf_counter()
+    r = reward_fn(images, inputs["prompts"])
+    A = vgrpo.group_advantages(r, s.group_size)
+    t2 = time.perf_counter()
+    steps = mdp.train_steps(B, S, s.n_mc, vgrpo.keyed_generator(seed, "steps", it))
+    stats = mdp.mdp_update(family, learner.model, learner.optimizer, learner.params,
+                           {"states": states, "log_probs": log_probs, "cond": inputs["cond"]}, steps, A, sigmas,
+                           s.mdp_noise, s.mdp_clip_eps, s.micro_batch, s.max_grad_norm)
+    t3 = time.perf_counter()
+    return dict(reward=r.mean().item(), time_rollout=t1 - t0, time_reward=t2 - t1, time_old=0.0,
+                time_update=t3 - t2, nfe=B * S + B * s.n_mc, backprop_rows=B * s.n_mc, grad_norm=stats["grad_norm"],
+                ratio_dev_first=stats["ratio_dev_first"])
+
+
+@torch.no_grad()
+def evaluate(learner, family, sigmas, inputs, reward_fn):
+    """Mean reward of the deterministic DPM-Solver++ samples on the fixed evaluation set."""
+    args = types.SimpleNamespace(sampler="dpmpp2m", guidance=1.0, micro_batch=learner.setup.micro_batch)
+    o = vgrpo.rollout(family, learner.model, inputs["cond"], inputs["noise"], sigmas, args)
+    return reward_fn(decode(family, o, args.micro_batch), inputs["prompts"]).mean().item()
+
+
+# --------------------------------------------------------------------------- one job: a reward and a seed
+
+
+def run_job(task, seed, setup, family=None, verbose=True):
+    """Train the three methods on one reward and seed, interleaved -> {method: {"train": [...], "eval": [...]}}.
+    train: per-iteration dicts (reward, seconds by phase, nfe); eval: (iteration, mean eval reward)."""
+    family = family or tiny_family()
+    sigmas = family.sigma_grid(setup.sample_steps)
+    reward_fn, prompts = make_task(task, family, sigmas)
+    base_state = copy.deepcopy(family.transformer.state_dict())
+    learners = [Learner(name, family, base_state, setup) for name in METHODS]
+    ev = eval_inputs(family, prompts, setup, seed)
+    out = {l.name: {"train": [], "eval": [(0, evaluate(l, family, sigmas, ev, reward_fn))]} for l in learners}
+    for it in range(setup.iterations):
+        inputs = iteration_inputs(family, prompts, setup, seed, it)
+        for k in range(len(learners)):  # rotate the order so no method always runs first on a busy machine
+            l = learners[(it + k) % len(learners)]
+            step = mdp_iteration if l.name == "MDP" else elbo_iteration
+            out[l.name]["train"].append(step(l, family, sigmas, inputs, reward_fn, seed, it))
+            if (it + 1) % setup.eval_every == 0 or it + 1 == setup.iterations:
+                out[l.name]["eval"].append((it + 1, evaluate(l, family, sigmas, ev, reward_fn)))
+        if verbose:
+            print(f"{task} seed {seed} it {it + 1}: " + " | ".join(
+                f"{n} {out[n]['train'][-1]['reward']:+.4f} ({out[n]['eval'][-1][1]:+.4f})" for n in METHODS), flush=True)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--reward", choices=TASKS, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--iterations", type=int, default=Setup.iterations)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (run.py runs two jobs side by side)")
+    p.add_argument("--out", required=True, help="JSON file for the curves")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    import diffusers
+    diffusers.utils.logging.set_verbosity_error()
+    setup = Setup(iterations=a.iterations)
+    result = run_job(a.reward, a.seed, setup)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"reward": a.reward, "seed": a.seed, "setup": dataclasses.asdict(setup), "methods": result}, f)
+
+
+if __name__ == "__main__":
+    main()

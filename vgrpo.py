@@ -226,13 +226,7 @@ def validate(args, world_size):
         raise UsageError(f"unknown --mixed-precision '{args.mixed_precision}': valid choices are {', '.join(AMP_DTYPES)}")
     if args.reward_advantage not in ("sum", "per-reward"):
         raise UsageError(f"unknown --reward-advantage '{args.reward_advantage}': valid choices are sum, per-reward")
-    for flag, spec in (("--reward", args.reward), ("--eval-rewards", args.eval_rewards)):
-        try:
-            names = [name for name, _ in rewards_lib.parse_reward_spec(spec)] if spec or flag == "--reward" else []
-        except ValueError as e:
-            raise UsageError(f"{flag}: {e}") from None
-        if len(set(names)) < len(names):
-            raise UsageError(f"{flag} {spec}: a reward is named twice; give it one weight")
+    check_reward_specs(args)
     for name in ("sample_steps", "iterations", "prompts_per_step", "n_mc", "inner_steps", "save_every", "sample_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -271,6 +265,16 @@ def validate(args, world_size):
         args.resume = latest_checkpoint(args.output_dir) or ""  # nothing saved yet: start from scratch
     if args.resume:
         check_resume_matches(args)
+
+
+def check_reward_specs(args):
+    for flag, spec in (("--reward", args.reward), ("--eval-rewards", args.eval_rewards)):
+        try:
+            names = [name for name, _ in rewards_lib.parse_reward_spec(spec)] if spec or flag == "--reward" else []
+        except ValueError as e:
+            raise UsageError(f"{flag}: {e}") from None
+        if len(set(names)) < len(names):
+            raise UsageError(f"{flag} {spec}: a reward is named twice; give it one weight")
 
 
 def check_resume_matches(args):
@@ -1384,14 +1388,27 @@ def log_evaluation(run, it):
                              r, run.args.eval_images)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def quiet_libraries():
     import diffusers
     import transformers
 
     diffusers.utils.logging.set_verbosity_error()  # per-prompt truncation notices would drown the log
-    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # bf16 norms on CPU
     transformers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # bf16 norms on CPU
+
+
+def announce(args):
+    """Rank 0 at start: the output folders, the resolved configuration (printed and in config.json)."""
+    os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)
+    print(f"vgrpo: config{f' (preset {args.preset})' if args.preset else ''}: {command_line(args)}", flush=True)
+    with open(os.path.join(args.output_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=1)
+    print(f"vgrpo: loading model '{args.model}' and reward '{args.reward}' ...", flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    quiet_libraries()
     validate(args, int(os.environ.get("WORLD_SIZE", 1)))
     stop_requested = install_stop_handlers()
     ddp, rank, world, device = setup_distributed(args.device, args.dist_timeout)
@@ -1399,11 +1416,7 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     master = rank == 0
     if master:
-        os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)
-        print(f"vgrpo: config{f' (preset {args.preset})' if args.preset else ''}: {command_line(args)}", flush=True)
-        with open(os.path.join(args.output_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=1)
-        print(f"vgrpo: loading model '{args.model}' and reward '{args.reward}' ...", flush=True)
+        announce(args)
     run, start = build_run(args, rank, world, device)
     check_ranks_agree(run)
     if master:

@@ -743,7 +743,7 @@ def load_family(args, device):
         name = MODEL_IDS.get(args.model, args.model)
         try:  # frozen parts in the mixed-precision dtype; the transformer is cast below if it is frozen too
             pipe = (FluxPipeline if kind == "flux" else StableDiffusion3Pipeline).from_pretrained(
-                name, torch_dtype=amp or torch.float32)
+                name, dtype=amp or torch.float32)
         except (OSError, ValueError) as e:
             raise UsageError(f"could not load '{name}' ({type(e).__name__}): the weights are not available here; "
                              f"download them once with `hf download {name}` (accept the model's licence first) "

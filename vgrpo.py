@@ -3,7 +3,7 @@ likelihood surrogate inside GRPO (Tang et al., arXiv 2604.23380). One file: samp
 group-normalised advantages, clipped-ratio update and a torchrun training loop.
 
 Launch:
-    python vgrpo.py                                            # CPU demo: tiny random SD3, JPEG reward, ~2 min
+    python vgrpo.py                                            # CPU demo: tiny random SD3, JPEG reward, ~2.5 min
     python vgrpo.py --model tiny-flux                          # the same with a tiny random FLUX
     python vgrpo.py --model sd3 --reward pickscore --mixed-precision bf16 --gradient-checkpointing   # one GPU
     torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore

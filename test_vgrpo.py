@@ -799,6 +799,7 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
     (tmp_path / "blank.txt").write_text("\n  \n")
     (tmp_path / "a_file").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat"}\n{"text": "a dog"}\n')
+    (tmp_path / "rw.py").write_text("def mean(images, prompts):\n    return images.mean((1, 2, 3))\n")
     cases = [
         (["--prompts", tmp_path / "latin1.txt"], "line 3: not UTF-8"),
         (["--prompts", tmp_path / "blank.txt"], "has no prompts"),
@@ -810,6 +811,7 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
         (["--mixed-precision", "fp8"], "unknown --mixed-precision 'fp8'"),
         (["--preset", "sd4"], "unknown --preset 'sd4': valid choices are sd3-pickscore"),
         (["--reward", "jpeg:1,jpeg:2"], "a reward is named twice"),
+        (["--reward", f"{tmp_path / 'rw.py'}:mean"], "its metric name clashes"),
     ]
     for flags, message in cases:
         p = run_script("--output-dir", tmp_path / "out", *flags, "--iterations", "1", timeout=300)

@@ -275,6 +275,9 @@ def check_reward_specs(args):
             raise UsageError(f"{flag}: {e}") from None
         if len(set(names)) < len(names):
             raise UsageError(f"{flag} {spec}: a reward is named twice; give it one weight")
+        clash = [n for n in names if metric_name(n) in ("mean", "std", "group_std", "reward")]
+        if clash:  # its metric would overwrite reward_mean, reward_std, ... or eval_reward
+            raise UsageError(f"{flag}: rename the reward function {clash[0]!r}: its metric name clashes with a built-in one")
 
 
 def check_resume_matches(args):

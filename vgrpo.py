@@ -2,15 +2,15 @@
 likelihood surrogate inside GRPO (Tang et al., arXiv 2604.23380). One file: sampler, ELBO surrogate,
 group-normalised advantages, clipped-ratio update and a torchrun training loop.
 
-Launch:
-    python vgrpo.py                                            # CPU demo: tiny random SD3, JPEG reward, ~2.5 min
-    python vgrpo.py --model tiny-flux                          # the same with a tiny random FLUX
-    python vgrpo.py --model sd3 --reward pickscore --mixed-precision bf16 --gradient-checkpointing   # one GPU
-    torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore
-    torchrun --nproc_per_node=8 vgrpo.py --preset flux-hpsv2 --prompts hpdv2.txt   # the paper's FLUX.1-dev run
+Launch (each line runs as written; --model sd3 / flux default to the paper's recipe for that model, docs/method.md):
+    torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore     # the paper's SD3.5-M PickScore stage
+    torchrun --nproc_per_node=8 vgrpo.py --model flux --prompts hpdv2.txt   # the paper's FLUX.1-dev HPSv2 run
     torchrun --nnodes=2 --node_rank=$NODE_RANK --master_addr=$MASTER --master_port=29500 \
         --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore:1,clipscore:1
-    python vgrpo.py --resume runs/vgrpo/checkpoint-50 --iterations 100     # continue a run
+    torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore --resume auto   # continue after preemption
+    python vgrpo.py --model sd3 --reward pickscore     # one GPU: the same recipe, 8x the time per iteration
+    python vgrpo.py                                    # CPU demo: tiny random SD3, JPEG reward, ~2.5 min
+    python vgrpo.py --model tiny-flux                  # the same with a tiny random FLUX
 
 Where this code fills a gap in, or departs from, the paper:
  1. The advantage uses the population std plus 1e-4 (the paper does not say which std); a group whose
@@ -28,7 +28,7 @@ Where this code fills a gap in, or departs from, the paper:
     order where a step in log-SNR is over twice the previous one (the grid's last steps), which on an
     analytic Gaussian flow cuts its error 2-20x there; elsewhere it equals diffusers' DPM++ scheduler.
  8. The KL term to the sampling policy is the mean squared x0 difference on the shared pairs,
-    averaged over samples, pairs and latent dimensions (METHOD.md step 6).
+    averaged over samples, pairs and latent dimensions (docs/method.md, step 6).
  9. FLUX latents stay packed (2x2 patches as tokens) everywhere; the surrogate's mean over latent
     dimensions is the same as on unpacked latents, and the pairs' eps are drawn in the packed shape.
 10. Several rewards are summed before the advantage by default (`--reward-advantage sum`); the paper does
@@ -68,31 +68,34 @@ def arg(default, help):
 
 @dataclass
 class Args:
-    preset: str = arg("", "the paper's settings for one experiment (see PRESETS); explicit flags override them")
+    # None: the model's recipe decides (RECIPES below, resolved by resolve_defaults); explicit flags always win.
+    preset: str = arg("", "a named stage of the paper's curriculum (see PRESETS); explicit flags override it")
     model: str = arg("tiny", "tiny / tiny-flux (random, built in code, CPU), sd3 (SD3.5-Medium), flux (FLUX.1-dev), "
                              "or any SD3 / FLUX pipeline id or path")
-    reward: str = arg("jpeg:100", "reward spec name[:weight],...: jpeg, pickscore, clipscore, hpsv2, imagereward, "
-                                  "aesthetic, ocr, http://host:port/path, file.py:function (jpeg:100 suits 32 px)")
+    reward: str = arg(None, "reward spec name[:weight],...: jpeg, pickscore, clipscore, hpsv2, imagereward, aesthetic, "
+                            "ocr, http://host:port/path, file.py:function (default: pickscore for SD3, hpsv2 for "
+                            "FLUX, jpeg:100 for the tiny models)")
     reward_advantage: str = arg("sum", "several rewards: sum (advantage of the weighted sum) or per-reward (sum of "
                                        "each reward's group advantage, as MixGRPO)")
-    prompts: str = arg("", ".txt (one prompt per line) or .jsonl ({\"prompt\": ..., metadata for the reward}); "
-                           "default: a small built-in list")
-    resolution: int = arg(0, "image side in pixels (0: the model's default, 32 for tiny, 512 for sd3, 720 for flux)")
+    prompts: str = arg(None, ".txt (one prompt per line) or .jsonl ({\"prompt\": ..., metadata for the reward}); "
+                             "default: prompts/train.txt for real models, 12 built-in prompts for the tiny ones")
+    resolution: int = arg(None, "image side in pixels (default: 512 for SD3, 720 for FLUX, 32 for the tiny models)")
     sampler: str = arg("dpmpp2m", "ODE sampler for rollouts: dpmpp2m (DPM-Solver++ 2M) or euler")
-    sample_steps: int = arg(10, "ODE steps per rollout")
+    sample_steps: int = arg(None, "ODE steps per rollout (default: 40 SD3, 16 FLUX, 10 tiny)")
     guidance: float = arg(None, "SD3: classifier-free guidance scale (default 1 = off, as the paper trains SD3.5-M); "
                                 "FLUX: the guidance embedding's value (default 3.5), one pass")
-    iterations: int = arg(60, "total training iterations (a resumed run continues up to this number)")
-    prompts_per_step: int = arg(4, "P: prompts per iteration, GLOBAL over all processes")
-    group_size: int = arg(8, "G: images per prompt (the GRPO group)")
+    iterations: int = arg(None, "total training iterations, a resumed run continues up to it (150 SD3, 300 FLUX, 60 tiny)")
+    prompts_per_step: int = arg(None, "P: prompts per iteration, GLOBAL over all processes (48 SD3, 32 FLUX, 4 tiny)")
+    group_size: int = arg(None, "G: images per prompt, the GRPO group (24 SD3, 12 FLUX, 8 tiny)")
     n_mc: int = arg(4, "N_MC: (sigma, eps) pairs per sample in the ELBO surrogate")
     pair_sharing: str = arg("batch", "who shares the pairs: batch (everyone), group (per prompt) or none")
     stratified: bool = arg(True, "stratify the pairs' sigmas over the sigma grid (--no-stratified to turn off)")
     weighting: str = arg("adaptive", "surrogate weighting: adaptive (self-normalised) or none (plain MSE)")
     clip_eps: float = arg(0.01, "PPO ratio clip range (small: the ratio of a whole image moves fast)")
     beta: float = arg(0.0, "weight of the KL-to-sampling-policy term (0.3 in the paper's last SD3.5 stage)")
-    adv_soft_clip: float = arg(0.0, "eta for A <- eta * tanh(A / eta); 0 turns it off (3 in on-policy SD3.5 runs)")
-    inner_steps: int = arg(1, "optimizer steps per rollout batch; must divide the group size")
+    adv_soft_clip: float = arg(None, "eta for A <- eta * tanh(A / eta); 0 turns it off (default: 3 for SD3, as the "
+                                     "paper's on-policy SD3.5 runs; 0 otherwise)")
+    inner_steps: int = arg(None, "optimizer steps per rollout batch; must divide the group size (1 SD3 and tiny, 4 FLUX)")
     micro_batch: int = arg(None, "samples per forward pass, N_MC rows each (default: gcd(minibatch, 16 tiny / 4))")
     lr: float = arg(None, "AdamW learning rate (default: 2e-3 for tiny, 3e-4 with LoRA, 1e-5 for full fine-tuning)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
@@ -100,15 +103,17 @@ class Args:
     lora_rank: int = arg(32, "LoRA rank (ignored with --full-finetune)")
     lora_alpha: float = arg(64.0, "LoRA alpha")
     full_finetune: bool = arg(None, "train every transformer weight instead of LoRA (default: on for the tiny models only)")
-    mixed_precision: str = arg("no", "bf16, fp16 or no: dtype of the transformer's matmuls (and of frozen weights); "
-                                     "the surrogate, the loss, trained weights and AdamW stay float32")
-    gradient_checkpointing: bool = arg(False, "recompute activations in the backward pass (less memory, ~30%% slower)")
+    mixed_precision: str = arg(None, "bf16, fp16 or no: dtype of the transformer's matmuls (and of frozen weights); "
+                                     "the surrogate, the loss, trained weights and AdamW stay float32 (bf16 for real "
+                                     "models, no for the tiny ones)")
+    gradient_checkpointing: bool = arg(None, "recompute activations in the backward pass (less memory, ~30%% slower; "
+                                             "on for real models)")
     tf32: bool = arg(True, "allow TF32 matmuls on CUDA (Ampere and newer)")
     offload_text_encoders: bool = arg(True, "keep the text encoders on the CPU except while new prompts are encoded (CUDA)")
     seed: int = arg(0, "seed: every random draw is keyed by (seed, iteration, prompt, member)")
     output_dir: str = arg("runs/vgrpo", "where metrics.jsonl, sample grids and checkpoints go")
     resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in --output-dir")
-    save_every: int = arg(50, "save a checkpoint every N iterations (and always at the end)")
+    save_every: int = arg(None, "save a checkpoint every N iterations and at the end (25 real models, 50 tiny)")
     keep_last: int = arg(0, "keep only the newest N checkpoints (0 keeps all)")
     max_bad_steps: int = arg(3, "stop after this many consecutive iterations with NaN/Inf rewards, losses or gradients")
     dist_timeout: int = arg(600, "seconds a collective may wait for another rank before the run fails (no hangs)")
@@ -119,41 +124,56 @@ class Args:
     eval_images: int = arg(2, "images per evaluation prompt")
     device: str = arg("auto", "auto, cpu, cuda")
 
-    def __post_init__(self):
-        # Model-dependent defaults. The tiny CPU model is fully fine-tuned at 2e-3 (LoRA on its few weights
-        # learns far less in two minutes); real models use LoRA at 3e-4, the paper's SD3.5-M setting.
-        tiny = self.model in ("tiny", "tiny-flux")
-        if self.full_finetune is None:
-            self.full_finetune = tiny
-        if self.lr is None:
-            self.lr = 2e-3 if tiny else 1e-5 if self.full_finetune else 3e-4
-        if self.guidance is None:
-            self.guidance = 3.5 if model_kind(self.model) == "flux" else 1.0
 
-
-# The paper's reported settings (METHOD.md), one flag each. What no source settles is chosen and marked.
-# No lr here: Args picks 3e-4 for LoRA (the paper's SD3.5-M value) and 1e-5 with --full-finetune.
-_SD3 = dict(model="sd3", resolution=512, sampler="dpmpp2m", sample_steps=40, guidance=1.0, prompts_per_step=48,
-            group_size=24, n_mc=4, inner_steps=1, adv_soft_clip=3.0, lora_rank=32, lora_alpha=64.0,
-            full_finetune=False, iterations=150, mixed_precision="bf16", gradient_checkpointing=True, save_every=25)
-# FLUX: 16-step DPM-Solver++, N_MC 4, 300 iterations, several gradient steps with the ratio clip (the paper);
-# 12 images per prompt at 720 px (MixGRPO's setting on the same benchmark); LoRA r32 at 3e-4 (our choice: full
-# fine-tuning of 12B weights needs sharded optimizer states, which this script does not do).
-_FLUX = dict(model="flux", resolution=720, sampler="dpmpp2m", sample_steps=16, guidance=3.5, prompts_per_step=32,
-             group_size=12, n_mc=4, inner_steps=4, clip_eps=0.01, lora_rank=32, lora_alpha=64.0,
-             full_finetune=False, iterations=300, mixed_precision="bf16", gradient_checkpointing=True, save_every=25)
+# Every model's defaults in one place. Real models: the paper's settings (docs/method.md gives the source of each
+# value, and marks what no public source settles). SD3.5-M: one stage of its curriculum, 48 prompts x 24 images,
+# 40-step DPM-Solver++ without CFG, one optimizer step per iteration with the advantage soft clip. FLUX.1-dev: 16-step
+# DPM-Solver++, several clipped steps per iteration; 12 images per prompt at 720 px (MixGRPO's setting on the same
+# benchmark). The tiny CPU models are fully fine-tuned at 2e-3: LoRA on their few weights learns far less in minutes.
+_REAL = dict(mixed_precision="bf16", gradient_checkpointing=True, full_finetune=False, save_every=25)
+RECIPES = {
+    "sd3": dict(_REAL, reward="pickscore", resolution=512, sample_steps=40, guidance=1.0, iterations=150,
+                prompts_per_step=48, group_size=24, inner_steps=1, adv_soft_clip=3.0),
+    "flux": dict(_REAL, reward="hpsv2", resolution=720, sample_steps=16, guidance=3.5, iterations=300,
+                 prompts_per_step=32, group_size=12, inner_steps=4, adv_soft_clip=0.0),
+    "tiny": dict(reward="jpeg:100", resolution=32, sample_steps=10, guidance=1.0, iterations=60, prompts_per_step=4,
+                 group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no", gradient_checkpointing=False,
+                 full_finetune=True, save_every=50, prompts=""),
+    "tiny-flux": dict(reward="jpeg:100", resolution=32, sample_steps=10, guidance=3.5, iterations=60,
+                      prompts_per_step=4, group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no",
+                      gradient_checkpointing=False, full_finetune=True, save_every=50, prompts=""),
+}
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN_PROMPTS = os.path.join(HERE, "prompts", "train.txt")  # a real model's prompts when --prompts is not given
+# Named stages of the paper's curriculum: a model and a reward (and what the stage changes); the model's recipe
+# fills in the rest, and explicit flags override both.
 PRESETS = {
-    "sd3-pickscore": dict(_SD3, reward="pickscore"),
-    "sd3-preference": dict(_SD3, reward="pickscore:1,hpsv2:1,clipscore:1"),  # stage 1 of the SD3.5-M curriculum
-    "sd3-ocr": dict(_SD3, reward="ocr", n_mc=10, iterations=30, adv_soft_clip=0.0),  # last stage; prompts quote text
-    "flux-hpsv2": dict(_FLUX, reward="hpsv2"),
+    "sd3-preference": dict(model="sd3", reward="pickscore:1,hpsv2:1,clipscore:1"),  # stage 1 of SD3.5-M's curriculum
+    "sd3-ocr": dict(model="sd3", reward="ocr", n_mc=10, iterations=30, adv_soft_clip=0.0),  # last stage; quoted text
     # the paper adds UnifiedReward, served over HTTP: append ,http://host:port/path to --reward
-    "flux-preference": dict(_FLUX, reward="hpsv2:1,pickscore:1,imagereward:1"),
+    "flux-preference": dict(model="flux", reward="hpsv2:1,pickscore:1,imagereward:1"),
 }
 
 
+def is_tiny(model):
+    return model in ("tiny", "tiny-flux")
+
+
+def resolve_defaults(args):
+    """Fill every flag left at None from the model's recipe; the learning rate follows LoRA / full fine-tuning."""
+    recipe = RECIPES[args.model if is_tiny(args.model) else model_kind(args.model)]
+    for name, value in recipe.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.prompts is None:  # relative, so that nodes with the project at different paths agree on the config
+        args.prompts = os.path.relpath(TRAIN_PROMPTS)
+    if args.lr is None:
+        args.lr = 2e-3 if is_tiny(args.model) else 1e-5 if args.full_finetune else 3e-4
+    return args
+
+
 def parse_args(argv=None):
-    """Command line -> Args. A --preset sets the defaults; flags given explicitly override it."""
+    """Command line -> Args. Explicit flags win over a --preset, which wins over the model's recipe."""
     import argparse
 
     p = argparse.ArgumentParser(description="V-GRPO training (arXiv 2604.23380)")
@@ -169,7 +189,7 @@ def parse_args(argv=None):
         if preset not in PRESETS:
             raise UsageError(f"unknown --preset '{preset}': valid choices are {', '.join(PRESETS)}")
         p.set_defaults(**PRESETS[preset])
-    return Args(**vars(p.parse_args(argv)))
+    return resolve_defaults(Args(**vars(p.parse_args(argv))))
 
 
 def command_line(args):
@@ -201,7 +221,7 @@ RESUME_MUST_MATCH = ("model", "full_finetune", "lora_rank", "lora_alpha", "resol
 SAMPLERS = ("dpmpp2m", "euler")
 PAIR_SHARING = ("batch", "group", "none")
 MODEL_IDS = {"sd3": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev"}
-DEFAULT_PROMPTS = [
+DEFAULT_PROMPTS = [  # the tiny CPU demo's prompts; a real model trains on prompts/train.txt or --prompts
     "a red apple on a wooden table", "a cat sleeping on a sofa", "a lighthouse at sunset",
     "a bowl of ramen", "a snowy mountain village", "an astronaut riding a horse",
     "a vintage car in the rain", "a field of sunflowers", "a robot reading a book", "a koi pond in autumn",
@@ -212,7 +232,7 @@ DEFAULT_PROMPTS = [
 def validate(args, world_size):
     """Every check that needs no model, so a wrong flag fails in a second with one line. Also resolves
     the default micro-batch, which depends on the per-process minibatch."""
-    if args.model not in ("tiny", "tiny-flux", *MODEL_IDS) and not os.path.isdir(args.model) \
+    if not is_tiny(args.model) and args.model not in MODEL_IDS and not os.path.isdir(args.model) \
             and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.model):
         raise UsageError(f"unknown model '{args.model}': use tiny, tiny-flux, {', '.join(MODEL_IDS)}, "
                          "a Hugging Face id (org/name) or a local pipeline directory")
@@ -235,20 +255,22 @@ def validate(args, world_size):
     if args.n_mc > args.sample_steps:
         raise UsageError(f"--n-mc {args.n_mc} exceeds --sample-steps {args.sample_steps}: stratification needs a grid point per pair")
     if args.prompts_per_step % world_size:
+        below = args.prompts_per_step // world_size * world_size
+        nearest = " or ".join(str(p) for p in (below, below + world_size) if p > 0)
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} "
-                         "processes: each process takes whole prompt groups")
+                         f"processes (each process takes whole prompt groups): use --prompts-per-step {nearest}")
     if args.group_size % args.inner_steps:
         raise UsageError(f"--inner-steps {args.inner_steps} must divide --group-size {args.group_size}")
     local_minibatch = args.prompts_per_step // world_size * args.group_size // args.inner_steps
     if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
-        args.micro_batch = math.gcd(local_minibatch, 16 if args.model in ("tiny", "tiny-flux") else 4)
+        args.micro_batch = math.gcd(local_minibatch, 16 if is_tiny(args.model) else 4)
     if args.micro_batch < 1 or local_minibatch % args.micro_batch:
         raise UsageError(f"--micro-batch {args.micro_batch} must divide the per-process minibatch of "
                          f"{local_minibatch} samples (P/world * G / inner-steps)")
     if args.clip_eps <= 0 or args.beta < 0 or args.adv_soft_clip < 0 or args.lr <= 0:
         raise UsageError("--clip-eps and --lr must be positive; --beta and --adv-soft-clip non-negative")
-    if args.resolution < 0 or args.resolution % 16:
-        raise UsageError(f"--resolution must be a multiple of 16 (0 for the model's default), got {args.resolution}")
+    if args.resolution < 16 or args.resolution % 16:
+        raise UsageError(f"--resolution must be a positive multiple of 16, got {args.resolution}")
     for flag, path in (("--prompts", args.prompts), ("--eval-prompts", args.eval_prompts)):
         if path and not os.path.isfile(path):
             raise UsageError(f"{flag}: prompt file not found: {path}")
@@ -331,7 +353,7 @@ def load_prompts(path):
 
 
 def group_advantages(rewards, group_size, eps=1e-4, soft_clip=None):
-    """GRPO advantages: A_i = (r_i - mean_group) / (std_group + eps), population std (METHOD step 2).
+    """GRPO advantages: A_i = (r_i - mean_group) / (std_group + eps), population std (docs/method.md, step 2).
 
     rewards (P*G,) ordered group by group. A group whose rewards are all equal gets exactly 0.
     soft_clip=eta applies eta * tanh(A / eta), the paper's step control for on-policy SD3.5 runs.
@@ -359,7 +381,7 @@ def per_reward_advantages(parts, weights, group_size, eps=1e-4, soft_clip=None):
 
 
 def stratified_sigmas(sigma_grid, n, generator=None):
-    """Stratified noise levels (METHOD step 3): the rollout's sigma grid without its final 0, split into
+    """Stratified noise levels (docs/method.md, step 3): the rollout's sigma grid without its final 0, split into
     n contiguous chunks (torch.tensor_split), one grid value drawn uniformly from each chunk -> (n,).
     Every draw covers high, middle and low noise, which removes most of the surrogate's variance."""
     grid = sigma_grid[:-1] if sigma_grid[-1] == 0 else sigma_grid
@@ -374,7 +396,7 @@ def noisy_latents(o, sigmas, eps):
 
 
 def elbo_surrogate(v_pred, o, sigmas, eps, weighting="adaptive"):
-    """ELBO surrogate of log pi(o | c) (METHOD step 4), in float32.
+    """ELBO surrogate of log pi(o | c) (docs/method.md, step 4), in float32.
 
     v_pred (B, N, *lat): velocity predictions at x = (1 - sigma) o + sigma eps for the N pairs.
     Returns (s, x0_hat): s (B,) = -mean_j l(o, sigma_j, eps_j) with the adaptive weighting
@@ -395,7 +417,7 @@ def elbo_surrogate(v_pred, o, sigmas, eps, weighting="adaptive"):
 
 
 def vgrpo_loss(s_new, s_old, advantages, clip_eps, beta=0.0, x0_new=None, x0_old=None):
-    """PPO-clip on the surrogate ratio plus an optional KL to the sampling policy (METHOD step 6).
+    """PPO-clip on the surrogate ratio plus an optional KL to the sampling policy (docs/method.md, step 6).
 
     ratio = exp(s_new - s_old); loss = -mean(min(ratio A, clip(ratio, 1 -+ clip_eps) A))
     + beta * mean((x0_new - x0_old)^2). Returns (loss, stats) with float stats.
@@ -422,7 +444,7 @@ def keyed_generator(*key):
 
 
 def draw_pairs(sigma_grid, n_mc, latent_shape, sample_ids, sharing, stratified, seed, iteration):
-    """The N_MC (sigma, eps) pairs of each sample (METHOD step 3), shared as `sharing` says.
+    """The N_MC (sigma, eps) pairs of each sample (docs/method.md, step 3), shared as `sharing` says.
 
     sample_ids: (global prompt index, member) of each local sample. batch: one draw for everyone on every
     rank; group: one draw per prompt group; none: one per sample. -> sigmas (B, N), eps (B, N, *lat).
@@ -736,10 +758,10 @@ AMP_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def load_family(args, device):
     """--model -> a Family on `device`. Missing weights are one clear line, not a traceback."""
     kind, amp = model_kind(args.model), AMP_DTYPES[args.mixed_precision]
-    if args.model in ("tiny", "tiny-flux"):
+    if is_tiny(args.model):
         # tiny SD3 has no T5: its embeddings are zeros, so keep their padded length short (8) to save compute
         pipe = build_tiny_sd3_pipeline() if kind == "sd3" else build_tiny_flux_pipeline()
-        resolution, max_len = args.resolution or 32, 8 if kind == "sd3" else 16
+        max_len = 8 if kind == "sd3" else 16
     else:
         from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
@@ -751,7 +773,7 @@ def load_family(args, device):
             raise UsageError(f"could not load '{name}' ({type(e).__name__}): the weights are not available here; "
                              f"download them once with `hf download {name}` (accept the model's licence first) "
                              "or pass a local pipeline directory with --model /path/to/pipeline") from None
-        resolution, max_len = args.resolution or (720 if kind == "flux" else 512), 512 if kind == "flux" else 256
+        max_len = 512 if kind == "flux" else 256
     pipe.set_progress_bar_config(disable=True)
     # full fine-tuning keeps float32 master weights (AdamW on bf16 weights loses small updates); with LoRA
     # the frozen base weights can live in the low-precision dtype and only the adapters stay float32
@@ -768,8 +790,8 @@ def load_family(args, device):
         pipe.transformer.enable_gradient_checkpointing()
     kw = dict(amp_dtype=amp, offload_text_encoders=offload)
     if kind == "flux":
-        return FluxFamily(pipe, resolution, max_len, device, guidance=args.guidance, **kw)
-    return SD3Family(pipe, resolution, max_len, device, **kw)
+        return FluxFamily(pipe, args.resolution, max_len, device, guidance=args.guidance, **kw)
+    return SD3Family(pipe, args.resolution, max_len, device, **kw)
 
 
 def add_trainable_weights(family, args):
@@ -925,15 +947,16 @@ def any_rank(flag, world, device):
     return bool(t.item())
 
 
-def check_ranks_agree(run):
-    """At start: every rank must run the same configuration from the same weights, else one line and exit."""
-    if run.world == 1:
+def check_ranks_agree(args, transformer, world, device):
+    """Before the DDP wrap: every rank must run the same configuration from the same weights, else one line and
+    exit (after the wrap every rank would silently train rank 0's weights, while its own model files differ)."""
+    if world == 1:
         return
-    config = json.dumps(dataclasses.asdict(run.args), sort_keys=True).encode()
+    config = json.dumps(dataclasses.asdict(args), sort_keys=True).encode()
     digest = int.from_bytes(hashlib.blake2b(config, digest_size=7).digest(), "little")
-    weights = torch.stack([p.detach().double().sum() for p in run.family.transformer.parameters()]).sum()
-    mine = torch.tensor([float(digest), weights.item()], dtype=torch.float64, device=run.device)
-    everyone = all_gather_cat(mine.unsqueeze(0), run.world)
+    weights = torch.stack([p.detach().double().sum() for p in transformer.parameters()]).sum()
+    mine = torch.tensor([float(digest), weights.item()], dtype=torch.float64, device=device)
+    everyone = all_gather_cat(mine.unsqueeze(0), world)
     for rank, other in enumerate(everyone):
         if other[0] != everyone[0][0]:
             raise FatalError(f"rank {rank} runs a different configuration than rank 0: launch every node with the same flags")
@@ -1229,8 +1252,9 @@ def build_run(args, rank, world, device):
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type) if args.mixed_precision == "fp16" else None
     start = load_checkpoint(args.resume, family, optimizer, args, device, scaler) if args.resume else 0
+    check_ranks_agree(args, family.transformer, world, device)
     model = family.transformer
-    if world > 1:  # wrap after loading: DDP starts from rank 0's weights, which every rank holds anyway
+    if world > 1:  # after the check: the wrap broadcasts rank 0's weights, which would hide a difference
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     negative = family.encode([""]) if family.cfg and args.guidance > 1 else None
     run = Run(args, family, model, optimizer, params, reward_fn, prompts, metadata, family.sigma_grid(args.sample_steps),
@@ -1404,6 +1428,11 @@ def announce(args):
     """Rank 0 at start: the output folders, the resolved configuration (printed and in config.json)."""
     os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)
     print(f"vgrpo: config{f' (preset {args.preset})' if args.preset else ''}: {command_line(args)}", flush=True)
+    if os.path.abspath(args.prompts) == TRAIN_PROMPTS:
+        print(f"vgrpo: no --prompts given: training on the {len(load_prompts(args.prompts)[0])} varied prompts of "
+              f"{args.prompts}. The paper trains on Pick-a-Pic (PickScore), HPDv2 (FLUX, HPSv2), "
+              "GenEval and OCR prompt sets: pass yours with --prompts FILE.txt (a prompt per line) or FILE.jsonl "
+              "(with metadata)", flush=True)
     with open(os.path.join(args.output_dir, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(args), f, indent=1)
     print(f"vgrpo: loading model '{args.model}' and reward '{args.reward}' ...", flush=True)
@@ -1421,7 +1450,6 @@ def main(argv=None):
     if master:
         announce(args)
     run, start = build_run(args, rank, world, device)
-    check_ranks_agree(run)
     if master:
         print(describe(run, start), flush=True)
         for name in ("metrics.jsonl", "eval.jsonl"):

@@ -1,0 +1,219 @@
+"""The launch lines users copy, tested as written: every command in the README and in vgrpo.py's docstring
+validates for its own process count, and the main command trains the real model ids from a Hugging Face cache
+of tiny stand-ins (hub_standins.py), on as many processes as it says, and its LoRA loads into diffusers.
+
+    python -m pytest test_launch.py -q
+"""
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import vgrpo
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MAIN_COMMAND = "torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore"
+# The only flags the real-model runs add: they shrink the work (image side, ODE steps, iterations), nothing else.
+SHRINK = ["--resolution", "32", "--sample-steps", "4", "--iterations", "2"]
+
+
+def launch_lines():
+    """Every `torchrun ... vgrpo.py ...` and `python vgrpo.py ...` in the README and in vgrpo.py's docstring,
+    continuation lines joined, shell comments and markdown table cells cut off."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        sources = [("README.md", f.read()), ("vgrpo.py docstring", vgrpo.__doc__)]
+    found = []
+    for where, text in sources:
+        text = re.sub(r"\\\n\s*", " ", text)
+        for m in re.finditer(r"(?:torchrun|python)\s[^\n`|#]*?vgrpo\.py(?:[ \t][^\n`|#]*)?", text):
+            found.append((where, m.group(0).strip()))
+    return found
+
+
+def world_size(tokens):
+    """Processes a launcher line starts: torchrun's --nnodes x --nproc_per_node, 1 for python."""
+    if tokens[0] != "torchrun":
+        return 1
+    flags = dict(re.fullmatch(r"--([\w-]+)=(\S+)", t).groups() for t in tokens if re.fullmatch(r"--[\w-]+=\S+", t))
+    nodes = int(flags.get("nnodes", "1").split(":")[-1])
+    return nodes * int(flags.get("nproc_per_node", flags.get("nproc-per-node", "1")))
+
+
+def test_the_readme_leads_with_the_main_command_and_lists_enough_launch_lines():
+    lines = launch_lines()
+    readme = [line for where, line in lines if where == "README.md"]
+    assert readme and readme[0] == MAIN_COMMAND, readme[:1]
+    assert MAIN_COMMAND in [line for _, line in lines if _ != "README.md"]  # the docstring too
+    assert len(readme) >= 6 and len(lines) >= 12, lines   # a regex that stopped matching would pass vacuously
+
+
+@pytest.mark.parametrize("where,line", launch_lines())
+def test_every_launch_line_validates_for_its_world_size(where, line, tmp_path, monkeypatch):
+    """Parses and validates each line exactly as vgrpo would on that many processes (no model is loaded).
+    Files the line names (prompt sets, reward files) are the user's: empty stand-ins are created for them."""
+    tokens = shlex.split(line)
+    script = next(i for i, t in enumerate(tokens) if t.endswith("vgrpo.py"))
+    argv = tokens[script + 1:]
+    monkeypatch.chdir(tmp_path)
+    for flag, value in zip(argv, argv[1:]):
+        if flag in ("--prompts", "--eval-prompts"):
+            (tmp_path / value).write_text("a prompt\nanother prompt\n")
+    args = vgrpo.parse_args(argv)
+    vgrpo.validate(args, world_size(tokens[:script]))
+    assert args.micro_batch >= 1
+
+
+def test_a_prompt_count_that_does_not_split_names_the_nearest_valid_ones(tmp_path):
+    args = vgrpo.parse_args(["--model", "sd3", "--output-dir", str(tmp_path)])
+    with pytest.raises(vgrpo.UsageError, match=r"not divisible by the 32 processes.*use --prompts-per-step 32 or 64$"):
+        vgrpo.validate(args, 32)
+    args = vgrpo.parse_args(["--model", "sd3", "--output-dir", str(tmp_path), "--prompts-per-step", "5"])
+    with pytest.raises(vgrpo.UsageError, match=r"use --prompts-per-step 8$"):   # 0 is no choice
+        vgrpo.validate(args, 8)
+
+
+# --------------------------------------------------------------------------- model-dependent defaults
+
+
+def test_real_models_default_to_the_papers_recipe_and_tiny_ones_to_the_cpu_demo():
+    sd3 = vgrpo.parse_args(["--model", "sd3"])
+    paper_sd3 = dict(reward="pickscore", resolution=512, sampler="dpmpp2m", sample_steps=40, guidance=1.0,
+                     prompts_per_step=48, group_size=24, n_mc=4, inner_steps=1, adv_soft_clip=3.0, lora_rank=32,
+                     lora_alpha=64.0, lr=3e-4, full_finetune=False, mixed_precision="bf16",
+                     gradient_checkpointing=True, iterations=150, clip_eps=0.01, beta=0.0)
+    assert {k: getattr(sd3, k) for k in paper_sd3} == paper_sd3
+    assert os.path.abspath(sd3.prompts) == os.path.join(HERE, "prompts", "train.txt")
+    # an SD3 pipeline given by id or folder gets the same recipe
+    assert vgrpo.parse_args(["--model", "stabilityai/stable-diffusion-3.5-large"]).group_size == 24
+    flux = vgrpo.parse_args(["--model", "flux"])
+    assert (flux.reward, flux.resolution, flux.sample_steps, flux.guidance, flux.group_size, flux.inner_steps,
+            flux.iterations, flux.mixed_precision) == ("hpsv2", 720, 16, 3.5, 12, 4, 300, "bf16")
+    tiny = vgrpo.parse_args([])
+    assert (tiny.reward, tiny.resolution, tiny.prompts_per_step, tiny.group_size, tiny.full_finetune, tiny.lr,
+            tiny.prompts, tiny.mixed_precision) == ("jpeg:100", 32, 4, 8, True, 2e-3, "", "no")
+    assert vgrpo.parse_args(["--model", "tiny-flux"]).guidance == 3.5
+
+
+def test_explicit_flags_win_over_presets_which_win_over_the_recipe(tmp_path):
+    args = vgrpo.parse_args(["--preset", "sd3-ocr", "--lr", "1e-4", "--group-size", "12"])
+    assert (args.model, args.reward, args.n_mc, args.iterations, args.adv_soft_clip) == ("sd3", "ocr", 10, 30, 0.0)
+    assert (args.lr, args.group_size, args.prompts_per_step) == (1e-4, 12, 48)   # flag, flag, recipe
+    assert vgrpo.parse_args(["--model", "sd3", "--full-finetune"]).lr == 1e-5
+    assert vgrpo.parse_args(["--model", "sd3", "--no-gradient-checkpointing"]).gradient_checkpointing is False
+    assert vgrpo.parse_args(["--model", "sd3", "--adv-soft-clip", "0"]).adv_soft_clip == 0.0   # 0 is not "unset"
+    for argv in (["--model", "sd3"], ["--model", "flux"], [], *[["--preset", name] for name in vgrpo.PRESETS]):
+        a = vgrpo.parse_args(argv)  # the printed configuration reproduces itself
+        assert vgrpo.parse_args(shlex.split(vgrpo.command_line(a))) == dataclasses.replace(a, preset="")
+    with pytest.raises(vgrpo.UsageError, match="unknown --preset 'sd4': valid choices are sd3-preference"):
+        vgrpo.parse_args(["--preset", "sd4"])
+
+
+def test_the_shipped_prompt_set_is_large_varied_and_disjoint_from_the_held_out_one():
+    train, _ = vgrpo.load_prompts(os.path.join(HERE, "prompts", "train.txt"))
+    held_out, _ = vgrpo.load_prompts(os.path.join(HERE, "prompts", "eval.txt"))
+    assert len(train) >= 300 and len(set(train)) == len(train)
+    assert not set(train) & set(held_out) and not set(train) & set(vgrpo.DEFAULT_PROMPTS)
+    assert len({p.split()[-1] for p in train}) > len(train) // 4   # not one template with a word swapped
+
+
+# --------------------------------------------------------------------------- the real loading path, offline
+
+
+def launch(*args, nproc, cache, timeout=900, env=None, launcher=()):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "OMP_NUM_THREADS": "1",
+                   "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(command + [*map(str, args)], env=environment, cwd=HERE, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.mark.slow
+def test_the_main_command_trains_sd35_medium_on_8_processes_and_its_lora_loads_into_diffusers(hub_cache, tmp_path):
+    """MAIN_COMMAND exactly, plus only SHRINK and an output folder: the SD3.5-M recipe on 8 gloo processes, the
+    stand-ins loaded by their real ids through from_pretrained, PickScore through load_reward."""
+    out = tmp_path / "run"
+    tokens = shlex.split(MAIN_COMMAND)
+    assert tokens[:2] == ["torchrun", "--nproc_per_node=8"] and tokens[2] == "vgrpo.py"
+    result = launch(os.path.join(HERE, "vgrpo.py"), *tokens[3:], *SHRINK, "--output-dir", out, nproc=8, cache=hub_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no --prompts given: training on the" in result.stdout            # the shipped set, said once
+    config = json.loads((out / "config.json").read_text())
+    recipe = dict(model="sd3", reward="pickscore", prompts_per_step=48, group_size=24, n_mc=4, inner_steps=1,
+                  sampler="dpmpp2m", guidance=1.0, adv_soft_clip=3.0, lora_rank=32, lora_alpha=64.0, lr=3e-4,
+                  full_finetune=False, mixed_precision="bf16", gradient_checkpointing=True, micro_batch=4)
+    assert {k: config[k] for k in recipe} == recipe
+    assert "48 prompts x 24 images = 1152 samples per iteration over 8 process(es)" in result.stdout
+    lines = read_jsonl(out / "metrics.jsonl")
+    assert [m["iteration"] for m in lines] == [1, 2]
+    for m in lines:
+        assert m["ratio_dev_first"] == 0.0 and m["grad_norm"] > 0 and m["skipped_steps"] == 0
+        assert abs(m["adv_abs_max"]) <= 3.0 + 1e-6                           # the soft clip at eta = 3
+        assert 0 < m["reward_std"] and abs(m["reward_mean"]) < 10            # PickScore logits / 26, random CLIP
+    # the LoRA loads into the diffusers pipeline from the same cache, and changes its output
+    from diffusers import StableDiffusion3Pipeline
+
+    state = load_file(out / "checkpoint-2" / "pytorch_lora_weights.safetensors")
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in state.items())   # trained: B left zero at init
+    env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    code = (f"import torch; from diffusers import StableDiffusion3Pipeline as P; p = P.from_pretrained("
+            f"'stabilityai/stable-diffusion-3.5-medium'); g = lambda: p('a cat', num_inference_steps=2, height=32, "
+            f"width=32, guidance_scale=1.0, output_type='pt', generator=torch.Generator().manual_seed(0)).images; "
+            f"a = g(); p.load_lora_weights('{out / 'checkpoint-2'}'); b = g(); "
+            f"print('LORA', len(p.transformer.peft_config), float((a - b).abs().max()))")
+    check = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                           timeout=300)
+    assert check.returncode == 0, check.stderr[-2000:]
+    n_adapters, change = check.stdout.split("LORA")[1].split()
+    assert int(n_adapters) == 1 and float(change) > 0
+
+
+@pytest.mark.slow
+def test_flux_dev_trains_with_a_clip_reward_on_2_processes_and_its_lora_loads_into_flux_pipeline(hub_cache, tmp_path):
+    out = tmp_path / "run"
+    result = launch(os.path.join(HERE, "vgrpo.py"), "--model", "flux", "--reward", "clipscore", *SHRINK,
+                    "--prompts-per-step", "2", "--group-size", "4", "--inner-steps", "2", "--output-dir", out,
+                    nproc=2, cache=hub_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["guidance"], config["mixed_precision"], config["gradient_checkpointing"]) == (3.5, "bf16", True)
+    lines = read_jsonl(out / "metrics.jsonl")
+    assert len(lines) == 2 and all(m["ratio_dev_first"] == 0.0 and m["grad_norm"] > 0 for m in lines)
+    assert all(-1 <= m["reward_mean"] <= 1 for m in lines)                   # a cosine
+    code = (f"import torch; from diffusers import FluxPipeline as P; p = P.from_pretrained("
+            f"'black-forest-labs/FLUX.1-dev'); p.load_lora_weights('{out / 'checkpoint-2'}'); "
+            f"im = p('a cat', num_inference_steps=2, height=32, width=32, output_type='pt').images; "
+            f"print('LORA', len(p.transformer.peft_config), tuple(im.shape))")
+    check = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HF_HUB_CACHE": str(hub_cache)},
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-2000:]
+    assert "LORA 1 (1, 3, 32, 32)" in check.stdout
+
+
+@pytest.mark.slow
+def test_ranks_whose_model_files_differ_refuse_to_start(hub_cache, hub_cache_other_seed, tmp_path):
+    """The same flags on both ranks, but rank 1's cache holds other weights under the same id (a node with a
+    different download): the check runs before DDP's broadcast would hide it."""
+    wrapper = tmp_path / "per_rank_cache.sh"
+    wrapper.write_text(f'if [ "$RANK" = 1 ]; then export HF_HUB_CACHE="{hub_cache_other_seed}"; fi\n'
+                       f'exec "{sys.executable}" "$@"\n')
+    result = launch(wrapper, os.path.join(HERE, "vgrpo.py"), "--model", "sd3", "--reward", "jpeg", *SHRINK,
+                    "--prompts-per-step", "2", "--group-size", "2", "--output-dir", tmp_path / "run",
+                    nproc=2, cache=hub_cache, launcher=["--no-python", "bash"], timeout=300)
+    assert result.returncode != 0
+    assert "rank 1 starts from different weights than rank 0" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -3,8 +3,9 @@ likelihood surrogate inside GRPO (Tang et al., arXiv 2604.23380). One file: samp
 group-normalised advantages, clipped-ratio update and a torchrun training loop.
 
 Launch (each line runs as written; --model sd3 / flux default to the paper's recipe for that model, docs/method.md):
-    torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore     # the paper's SD3.5-M PickScore stage
-    torchrun --nproc_per_node=8 vgrpo.py --model flux --prompts hpdv2.txt   # the paper's FLUX.1-dev HPSv2 run
+    torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore     # the SD3.5-M recipe with PickScore
+    torchrun --nproc_per_node=8 vgrpo.py --preset sd3-preference            # its first curriculum stage
+    torchrun --nproc_per_node=8 vgrpo.py --model flux --prompts hpdv2.txt   # the FLUX.1-dev recipe with HPSv2
     torchrun --nnodes=2 --node_rank=$NODE_RANK --master_addr=$MASTER --master_port=29500 \
         --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore:1,clipscore:1
     torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore --resume auto   # continue after preemption
@@ -96,7 +97,10 @@ class Args:
     adv_soft_clip: float = arg(None, "eta for A <- eta * tanh(A / eta); 0 turns it off (default: 3 for SD3, as the "
                                      "paper's on-policy SD3.5 runs; 0 otherwise)")
     inner_steps: int = arg(None, "optimizer steps per rollout batch; must divide the group size (1 SD3 and tiny, 4 FLUX)")
-    micro_batch: int = arg(None, "samples per forward pass, N_MC rows each (default: gcd(minibatch, 16 tiny / 4))")
+    micro_batch: int = arg(None, "samples per training forward pass, N_MC rows each (default: gcd(minibatch, 16 "
+                                 "tiny / 4))")
+    sample_batch: int = arg(None, "samples per pass in rollouts, VAE decoding and evaluation: no gradients, no kept "
+                                  "activations, so larger than --micro-batch (24 SD3, 12 FLUX, 16 tiny)")
     lr: float = arg(None, "AdamW learning rate (default: 2e-3 for tiny, 3e-4 with LoRA, 1e-5 for full fine-tuning)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
@@ -124,6 +128,9 @@ class Args:
     eval_images: int = arg(2, "images per evaluation prompt")
     device: str = arg("auto", "auto, cpu, cuda")
 
+    def __post_init__(self):
+        resolve_defaults(self)
+
 
 # Every model's defaults in one place. Real models: the paper's settings (docs/method.md gives the source of each
 # value, and marks what no public source settles). SD3.5-M: one stage of its curriculum, 48 prompts x 24 images,
@@ -133,15 +140,15 @@ class Args:
 _REAL = dict(mixed_precision="bf16", gradient_checkpointing=True, full_finetune=False, save_every=25)
 RECIPES = {
     "sd3": dict(_REAL, reward="pickscore", resolution=512, sample_steps=40, guidance=1.0, iterations=150,
-                prompts_per_step=48, group_size=24, inner_steps=1, adv_soft_clip=3.0),
+                prompts_per_step=48, group_size=24, inner_steps=1, adv_soft_clip=3.0, sample_batch=24),
     "flux": dict(_REAL, reward="hpsv2", resolution=720, sample_steps=16, guidance=3.5, iterations=300,
-                 prompts_per_step=32, group_size=12, inner_steps=4, adv_soft_clip=0.0),
+                 prompts_per_step=32, group_size=12, inner_steps=4, adv_soft_clip=0.0, sample_batch=12),
     "tiny": dict(reward="jpeg:100", resolution=32, sample_steps=10, guidance=1.0, iterations=60, prompts_per_step=4,
                  group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no", gradient_checkpointing=False,
-                 full_finetune=True, save_every=50, prompts=""),
+                 full_finetune=True, save_every=50, prompts="", sample_batch=16),
     "tiny-flux": dict(reward="jpeg:100", resolution=32, sample_steps=10, guidance=3.5, iterations=60,
                       prompts_per_step=4, group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no",
-                      gradient_checkpointing=False, full_finetune=True, save_every=50, prompts=""),
+                      gradient_checkpointing=False, full_finetune=True, save_every=50, prompts="", sample_batch=16),
 }
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_PROMPTS = os.path.join(HERE, "prompts", "train.txt")  # a real model's prompts when --prompts is not given
@@ -189,7 +196,7 @@ def parse_args(argv=None):
         if preset not in PRESETS:
             raise UsageError(f"unknown --preset '{preset}': valid choices are {', '.join(PRESETS)}")
         p.set_defaults(**PRESETS[preset])
-    return resolve_defaults(Args(**vars(p.parse_args(argv))))
+    return Args(**vars(p.parse_args(argv)))
 
 
 def command_line(args):
@@ -264,6 +271,8 @@ def validate(args, world_size):
     local_minibatch = args.prompts_per_step // world_size * args.group_size // args.inner_steps
     if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
         args.micro_batch = math.gcd(local_minibatch, 16 if is_tiny(args.model) else 4)
+    if args.sample_batch < 1:
+        raise UsageError(f"--sample-batch must be at least 1, got {args.sample_batch}")
     if args.micro_batch < 1 or local_minibatch % args.micro_batch:
         raise UsageError(f"--micro-batch {args.micro_batch} must divide the per-process minibatch of "
                          f"{local_minibatch} samples (P/world * G / inner-steps)")
@@ -307,7 +316,11 @@ def check_resume_matches(args):
     if not os.path.isfile(state_file):
         raise UsageError(f"--resume {args.resume}: not a checkpoint directory (no state.json)")
     with open(state_file) as f:
-        saved = json.load(f)["args"]
+        state = json.load(f)
+    saved = state["args"]
+    if state["iteration"] > args.iterations:  # a curriculum stage's --iterations counts from the very start
+        raise UsageError(f"--resume {args.resume} is at iteration {state['iteration']} and --iterations is "
+                         f"{args.iterations}: nothing to train; --iterations is the total, counted from the start")
     keys = [k for k in RESUME_MUST_MATCH if not (k.startswith("lora") and args.full_finetune)]
     diff = [f"--{k.replace('_', '-')} {saved.get(k)} there, {getattr(args, k)} here" for k in keys
             if saved.get(k) != getattr(args, k)]
@@ -420,7 +433,8 @@ def vgrpo_loss(s_new, s_old, advantages, clip_eps, beta=0.0, x0_new=None, x0_old
     """PPO-clip on the surrogate ratio plus an optional KL to the sampling policy (docs/method.md, step 6).
 
     ratio = exp(s_new - s_old); loss = -mean(min(ratio A, clip(ratio, 1 -+ clip_eps) A))
-    + beta * mean((x0_new - x0_old)^2). Returns (loss, stats) with float stats.
+    + beta * mean((x0_new - x0_old)^2). Returns (loss, stats); stats are detached 0-dim tensors, so that a
+    caller on a GPU reads them once per iteration instead of synchronising at every micro-batch.
     """
     ratio = torch.exp(s_new - s_old)
     unclipped = ratio * advantages
@@ -429,11 +443,10 @@ def vgrpo_loss(s_new, s_old, advantages, clip_eps, beta=0.0, x0_new=None, x0_old
     kl = (x0_new - x0_old).pow(2).mean() if x0_new is not None else torch.zeros((), device=ratio.device)
     loss = policy_loss + beta * kl
     stats = {
-        "policy_loss": policy_loss.item(), "kl": kl.item(),
-        "clip_frac": ((ratio - 1).abs() > clip_eps).float().mean().item(),
-        "ratio_mean": ratio.mean().item(), "ratio_min": ratio.min().item(), "ratio_max": ratio.max().item(),
+        "policy_loss": policy_loss, "kl": kl, "clip_frac": ((ratio - 1).abs() > clip_eps).float().mean(),
+        "ratio_mean": ratio.mean(), "ratio_min": ratio.min(), "ratio_max": ratio.max(),
     }
-    return loss, stats
+    return loss, {name: value.detach() for name, value in stats.items()}
 
 
 def keyed_generator(*key):
@@ -443,11 +456,12 @@ def keyed_generator(*key):
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
-def draw_pairs(sigma_grid, n_mc, latent_shape, sample_ids, sharing, stratified, seed, iteration):
+def draw_pairs(sigma_grid, n_mc, latent_shape, sample_ids, sharing, stratified, seed, iteration, device="cpu"):
     """The N_MC (sigma, eps) pairs of each sample (docs/method.md, step 3), shared as `sharing` says.
 
     sample_ids: (global prompt index, member) of each local sample. batch: one draw for everyone on every
-    rank; group: one draw per prompt group; none: one per sample. -> sigmas (B, N), eps (B, N, *lat).
+    rank; group: one draw per prompt group; none: one per sample. -> sigmas (B, N), eps (B, N, *lat) on
+    `device`; with batch sharing eps is one draw expanded over the batch (no per-sample copies).
     """
     grid = sigma_grid[:-1] if sigma_grid[-1] == 0 else sigma_grid
     keys = [{"batch": (), "group": (p,), "none": (p, m)}[sharing] for p, m in sample_ids]
@@ -455,7 +469,10 @@ def draw_pairs(sigma_grid, n_mc, latent_shape, sample_ids, sharing, stratified, 
     for key in dict.fromkeys(keys):  # one draw per distinct key, keyed so that any rank gets the same one
         g = keyed_generator(seed, "pairs", iteration, *key)
         sig = stratified_sigmas(grid, n_mc, g) if stratified else grid[torch.randint(len(grid), (n_mc,), generator=g)]
-        draws[key] = (sig, torch.randn((n_mc, *latent_shape), generator=g))
+        draws[key] = (sig.to(device), torch.randn((n_mc, *latent_shape), generator=g).to(device))
+    if len(draws) == 1:
+        sig, eps = draws[keys[0]]
+        return sig.expand(len(keys), *sig.shape), eps.expand(len(keys), *eps.shape)
     return torch.stack([draws[k][0] for k in keys]), torch.stack([draws[k][1] for k in keys])
 
 
@@ -472,15 +489,19 @@ def sample_ode(velocity, noise, sigmas, sampler="dpmpp2m"):
     step (sigma = 1, lambda = -inf) and at the last (to sigma = 0), and also wherever the step in lambda
     is more than twice the previous one (the pipelines' grids jump from sigma_min to 0 so; extrapolating
     over it is worse than Euler). Any ODE solver is allowed: V-GRPO never needs per-step log-probabilities.
+
+    sigmas: the grid on the CPU. The solver's coefficients are Python floats and the model gets the grid copied
+    to the device once, so no step waits for a host-device copy.
     """
     x, x0_prev, h_prev = noise, None, None
-    for i in range(len(sigmas) - 1):
-        s, s_next = sigmas[i], sigmas[i + 1]
-        v = velocity(x, s)
+    grid, on_device = sigmas.tolist(), sigmas.to(noise.device)
+    euler_dt = (sigmas[1:] - sigmas[:-1]).tolist()  # float32 differences, exactly the Euler scheduler's step
+    for i in range(len(grid) - 1):
+        s, s_next = grid[i], grid[i + 1]
+        v = velocity(x, on_device[i])
         if sampler == "euler":
-            x = (x.float() + (s_next - s) * v.float()).to(v.dtype)
+            x = (x.float() + euler_dt[i] * v.float()).to(v.dtype)
             continue
-        s, s_next = s.item(), s_next.item()
         x0 = x.float() - s * v.float()
         if s_next == 0:
             x = x0.to(x.dtype)
@@ -816,27 +837,30 @@ def add_trainable_weights(family, args):
 # --------------------------------------------------------------------------- one iteration, in pieces
 
 
-def micro_batches(n_prompts, group_size, inner_steps, micro_batch):
+def micro_batches(n_prompts, group_size, inner_steps, micro_batch, device="cpu"):
     """Yield (k, sample indices) for inner step k: minibatch k holds members [k G/K, (k+1) G/K) of every
-    local group (so the global minibatch is the same for any world size), cut into micro-batches."""
-    per = group_size // inner_steps
+    local group (so the global minibatch is the same for any world size), cut into micro-batches. The
+    indices are made on `device`: indexing GPU tensors with CPU indices would copy them at every micro-batch."""
+    members = group_size // inner_steps
+    samples = torch.arange(n_prompts * group_size, device=device).view(n_prompts, group_size)
     for k in range(inner_steps):
-        idx = torch.arange(n_prompts * group_size).view(n_prompts, group_size)[:, k * per:(k + 1) * per].reshape(-1)
-        for chunk in idx.split(micro_batch):
+        for chunk in samples[:, k * members:(k + 1) * members].reshape(-1).split(micro_batch):
             yield k, chunk
 
 
-def take(cond, idx, repeat=1):
-    """Rows `idx` of every conditioning tensor, each repeated `repeat` times (for the N_MC pairs)."""
-    return tuple(t[idx].repeat_interleave(repeat, 0) for t in cond)
+def take(cond, rows, repeat=1):
+    """Rows `rows` (indices or a slice) of every conditioning tensor, each repeated `repeat` times (N_MC pairs)."""
+    return tuple(t[rows].repeat_interleave(repeat, 0) for t in cond)
 
 
 @torch.no_grad()
 def rollout(family, model, cond, noise, sigmas, args, negative=None):
-    """Sample o for every local sample with the current weights, in micro-batches -> (B, *lat)."""
+    """Sample o for every local sample with the current weights, --sample-batch samples per pass -> (B, *lat).
+    No gradients and no activations are kept, so the pass can be much larger than a training micro-batch."""
     out, cfg = [], family.cfg and args.guidance > 1  # FLUX takes --guidance in its embedding instead
-    for idx in torch.arange(len(noise)).split(args.micro_batch):
-        c = take(cond, idx)
+    for start in range(0, len(noise), args.sample_batch):
+        rows = slice(start, start + args.sample_batch)
+        c = take(cond, rows)
         if cfg:
             c = tuple(torch.cat([n.expand_as(t), t]) for n, t in zip(negative, c))
 
@@ -846,25 +870,35 @@ def rollout(family, model, cond, noise, sigmas, args, negative=None):
             v_uncond, v_cond = family.velocity(model, torch.cat([x, x]), sigma, c).chunk(2)
             return v_uncond + args.guidance * (v_cond - v_uncond)
 
-        out.append(sample_ode(velocity, noise[idx], sigmas, args.sampler))
+        out.append(sample_ode(velocity, noise[rows], sigmas, args.sampler))
     return torch.cat(out)
+
+
+@torch.no_grad()
+def decode(family, o, batch_size):
+    """Latents -> images in [0, 1], batch_size samples per VAE pass."""
+    return torch.cat([family.decode(o[start:start + batch_size]) for start in range(0, len(o), batch_size)])
 
 
 def surrogate(family, model, o, sigmas, eps, cond, weighting):
     """Evaluate the model on every (sample, pair) row and return elbo_surrogate's (s, x0_hat)."""
     b, n = sigmas.shape
     x_t = noisy_latents(o, sigmas, eps).to(o.dtype)                   # (b, N, *lat)
-    v = family.velocity(model, x_t.flatten(0, 1), sigmas.flatten(), take(cond, torch.arange(b), n))
+    v = family.velocity(model, x_t.flatten(0, 1), sigmas.flatten(), take(cond, slice(None), n))
     return elbo_surrogate(v.view(b, n, *o.shape[1:]), o, sigmas, eps, weighting)
 
 
 @torch.no_grad()
-def old_surrogate(family, model, batch, args, n_prompts):
-    """s_old and x0_hat_old with the sampling weights, on exactly the micro-batches the update will use,
-    so the first forward of the update recomputes them bit for bit (ratio exactly 1)."""
-    s_old = torch.empty(len(batch["o"]), device=batch["o"].device)
-    x0_old = torch.empty_like(batch["eps"]) if args.beta > 0 else None
-    for _, idx in micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch):
+def old_surrogate(family, model, batch, args, n_prompts, from_step=1):
+    """s_old and x0_hat_old with the sampling weights, on exactly the micro-batches the update will use, for the
+    minibatches of inner steps from_step.. (rows of earlier steps are left NaN). The first minibatch needs no such
+    pass: before any optimizer step the update's own forward is the sampling policy's, bit for bit, and takes its
+    old values from there; so with one inner step (the paper's SD3.5-M setting) there is no old pass at all."""
+    s_old = torch.full((len(batch["o"]),), float("nan"), device=batch["o"].device)
+    x0_old = torch.full(batch["eps"].shape, float("nan"), device=batch["o"].device) if args.beta > 0 else None
+    for k, idx in micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch, s_old.device):
+        if k < from_step:
+            continue
         s, x0 = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
                           take(batch["cond"], idx), args.weighting)
         s_old[idx] = s
@@ -875,48 +909,52 @@ def old_surrogate(family, model, batch, args, n_prompts):
 
 def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None):
     """--inner-steps optimizer steps on the clipped surrogate objective; returns averaged stats.
-    scaler: a GradScaler with --mixed-precision fp16 (fp16 gradients underflow without loss scaling)."""
-    stats, ratio_dev_first, finite_loss = {}, 0.0, True
-    per_mb = n_prompts * args.group_size // args.inner_steps
-    chunks = list(micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch))
+    batch: o, cond, A, sigmas, eps, and s_old / x0_old (old_surrogate) for the minibatches after the first.
+    scaler: a GradScaler with --mixed-precision fp16 (fp16 gradients underflow without loss scaling).
+    Statistics stay on the device until the end; the host waits once per optimizer step (to skip a step with a
+    non-finite gradient on every rank alike) and once for the statistics."""
+    device = batch["o"].device
+    stats, finite_loss = collections.defaultdict(list), torch.ones((), dtype=torch.bool, device=device)
+    minibatch_size = n_prompts * args.group_size // args.inner_steps
+    chunks = list(micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch, device))
+    skipped = 0
     for i, (k, idx) in enumerate(chunks):
         last_of_step = i + 1 == len(chunks) or chunks[i + 1][0] != k
         # DDP averages gradients over ranks only on the last micro-batch of a step
         with model.no_sync() if hasattr(model, "no_sync") and not last_of_step else contextlib.nullcontext():
             s_new, x0_new = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
                                       take(batch["cond"], idx), args.weighting)
-            loss, st = vgrpo_loss(s_new, batch["s_old"][idx], batch["A"][idx], args.clip_eps, args.beta,
-                                  x0_new if args.beta > 0 else None,
-                                  batch["x0_old"][idx] if args.beta > 0 else None)
-            part = loss * len(idx) / per_mb
+            if k == 0:  # no step taken yet: the old policy is the current one, and this forward is its value
+                s_old, x0_old = s_new.detach(), x0_new.detach()
+            else:
+                s_old, x0_old = batch["s_old"][idx], batch["x0_old"][idx] if args.beta > 0 else None
+            loss, st = vgrpo_loss(s_new, s_old, batch["A"][idx], args.clip_eps, args.beta,
+                                  x0_new if args.beta > 0 else None, x0_old if args.beta > 0 else None)
+            part = loss * len(idx) / minibatch_size
             (scaler.scale(part) if scaler else part).backward()
-        finite_loss &= math.isfinite(st["policy_loss"])
-        if k == 0:  # before any optimizer step: must be exactly 0
-            ratio_dev_first = max(ratio_dev_first, (torch.exp(s_new - batch["s_old"][idx]) - 1).abs().max().item())
+        finite_loss &= torch.isfinite(st["policy_loss"])
         for name, value in st.items():
-            stats.setdefault(name, []).append(value)  # micro-batches are equal-sized: plain means
+            stats[name].append(value)  # micro-batches are equal-sized: plain means
         if last_of_step:
             # gradients are already averaged over ranks, so every rank takes the same decision here
             if scaler:
                 scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
-            stats.setdefault("grad_norm", []).append(grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            stats["grad_norm"].append(grad_norm.detach())
             if scaler:  # an fp16 overflow only lowers the loss scale; a non-finite loss is a bad step
                 scaler.step(optimizer)
                 scaler.update()
-                if not finite_loss:
-                    stats.setdefault("skipped_steps", []).append(1)
-            elif math.isfinite(grad_norm):
+                skipped += not finite_loss.item()
+            elif torch.isfinite(grad_norm).item():
                 optimizer.step()
             else:  # a NaN / Inf loss or gradient: drop this step, the weights stay finite
-                stats.setdefault("skipped_steps", []).append(1)
+                skipped += 1
             optimizer.zero_grad(set_to_none=True)
-            finite_loss = True
-    skipped = len(stats.pop("skipped_steps", []))
-    out = {name: sum(v) / len(v) for name, v in stats.items() if name not in ("ratio_min", "ratio_max")}
-    out.update(ratio_min=min(stats["ratio_min"]), ratio_max=max(stats["ratio_max"]),
-               ratio_dev_first=ratio_dev_first, skipped_steps=skipped)
-    return out
+            finite_loss.fill_(True)
+    reduce = {"ratio_min": torch.min, "ratio_max": torch.max}
+    names = list(stats)
+    values = torch.stack([reduce.get(name, torch.mean)(torch.stack(stats[name]).float()) for name in names]).tolist()
+    return dict(zip(names, values), skipped_steps=skipped)
 
 
 
@@ -982,7 +1020,7 @@ def reduce_stats(stats, world, device):
         t = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=op)
         out[op] = dict(zip(keys, (post(t) if post else t).tolist()))
-    extremes = {"ratio_min": dist.ReduceOp.MIN, "ratio_max": dist.ReduceOp.MAX, "ratio_dev_first": dist.ReduceOp.MAX}
+    extremes = {"ratio_min": dist.ReduceOp.MIN, "ratio_max": dist.ReduceOp.MAX}
     return {k: out[extremes.get(k, dist.ReduceOp.SUM)][k] for k in keys}
 
 
@@ -1123,7 +1161,7 @@ def train_iteration(run, it):
                          for j, m in sample_ids]).to(run.device)     # (B, C, h, w)
     cond = family.encode(prompts)
     o = rollout(family, family.transformer, cond, noise, run.sigmas, args, run.negative)
-    images = torch.cat([family.decode(o[idx]) for idx in torch.arange(len(o)).split(args.micro_batch)])
+    images = decode(family, o, args.sample_batch)
     t1 = time.perf_counter()
     # 2. Reward, 3. group-normalised advantages (each rank owns whole groups: no communication)
     try:
@@ -1145,11 +1183,12 @@ def train_iteration(run, it):
         stats = dict(SKIPPED_STATS, skipped_steps=args.inner_steps, time_rollout=t1 - t0, time_reward=t2 - t1,
                      time_old=0.0, time_update=0.0)
         return stats, images, prompts, r, A
-    # 4. Shared, stratified pairs and the old surrogate, stored once and never recomputed
+    # 4. Shared, stratified pairs; the old surrogate for the minibatches after the first (none with one inner step)
     sig, eps = draw_pairs(run.sigmas, args.n_mc, family.latent_shape, sample_ids, args.pair_sharing,
-                          args.stratified, args.seed, it)
-    batch = {"o": o, "cond": cond, "A": A, "sigmas": sig.to(run.device), "eps": eps.to(run.device, o.dtype)}
-    batch["s_old"], batch["x0_old"] = old_surrogate(family, family.transformer, batch, args, run.n_prompts)
+                          args.stratified, args.seed, it, run.device)
+    batch = {"o": o, "cond": cond, "A": A, "sigmas": sig, "eps": eps.to(o.dtype)}
+    if args.inner_steps > 1:
+        batch["s_old"], batch["x0_old"] = old_surrogate(family, family.transformer, batch, args, run.n_prompts)
     t3 = time.perf_counter()
     # 5. Clipped-ratio update
     stats = update(family, run.model, run.optimizer, run.params, batch, args, run.n_prompts, run.scaler)
@@ -1184,8 +1223,8 @@ def evaluate(run, it):
     names = [name for name, _, _ in fn.parts]
     sums = torch.zeros(len(names) + 2, dtype=torch.float64)           # each reward, the weighted total, count
     shown = []
-    for start in range(0, len(mine), args.micro_batch):
-        chunk = mine[start:start + args.micro_batch]
+    for start in range(0, len(mine), args.sample_batch):
+        chunk = mine[start:start + args.sample_batch]
         prompts = [run.eval_prompts[i] for i, _ in chunk]
         noise = torch.stack([torch.randn(family.latent_shape, generator=keyed_generator("eval", i, k))
                              for i, k in chunk]).to(run.device)
@@ -1211,7 +1250,7 @@ def evaluate(run, it):
 
 
 SKIPPED_STATS = {k: float("nan") for k in ("policy_loss", "kl", "clip_frac", "ratio_mean", "ratio_min", "ratio_max",
-                                           "ratio_dev_first", "grad_norm")}
+                                           "grad_norm")}
 
 
 def iteration_metrics(run, it, stats, r, A):
@@ -1255,7 +1294,10 @@ def build_run(args, rank, world, device):
     check_ranks_agree(args, family.transformer, world, device)
     model = family.transformer
     if world > 1:  # after the check: the wrap broadcasts rank 0's weights, which would hide a difference
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        # no buffer broadcast at every step (SD3's positional embedding is a 453 MB buffer, equal on every rank);
+        # gradients as views into DDP's buckets: no second copy of them (9 GB of SD3.5-M's with full fine-tuning)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                                          broadcast_buffers=False, gradient_as_bucket_view=True)
     negative = family.encode([""]) if family.cfg and args.guidance > 1 else None
     run = Run(args, family, model, optimizer, params, reward_fn, prompts, metadata, family.sigma_grid(args.sample_steps),
               negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn)
@@ -1466,6 +1508,7 @@ def main(argv=None):
         last = it + 1 == args.iterations or stop
         if master:
             record(run, it, m, images, prompts, r, first=it == start, last=last)
+        del images  # the next rollout should not have to fit beside this one's pictures
         if args.eval_every and ((it + 1) % args.eval_every == 0 or it + 1 == args.iterations):
             log_evaluation(run, it + 1)
         if ddp:

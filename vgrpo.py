@@ -1152,7 +1152,7 @@ def train_iteration(run, it):
     t0 = time.perf_counter()
     # 1. Rollout. Prompt order and starting noise are keyed by (seed, iteration, global slot, member):
     #    members of a group differ, and nothing depends on which rank draws them.
-    order = torch.randperm(len(run.prompts), generator=keyed_generator(args.seed, "prompts", it))
+    order = torch.randperm(len(run.prompts), generator=keyed_generator(args.seed, "prompts", it)).tolist()
     slots = range(run.rank * run.n_prompts, (run.rank + 1) * run.n_prompts)
     sample_ids = [(j, m) for j in slots for m in range(G)]
     prompts = [run.prompts[order[j % len(order)]] for j, _ in sample_ids]
@@ -1288,7 +1288,8 @@ def build_run(args, rank, world, device):
     except rewards_lib.RewardError as e:
         raise UsageError(str(e)) from None
     params = add_trainable_weights(family, args)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    # fused on CUDA: one kernel for all parameters instead of a few per tensor (LoRA on SD3.5-M: ~600 tensors)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type) if args.mixed_precision == "fp16" else None
     start = load_checkpoint(args.resume, family, optimizer, args, device, scaler) if args.resume else 0
     check_ranks_agree(args, family.transformer, world, device)

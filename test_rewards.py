@@ -168,8 +168,9 @@ def test_aesthetic_matches_formula():
 def _import_open_clip_model():
     """open_clip.model and open_clip.tokenizer without running open_clip/__init__.py, which imports torchvision
     (not installed here) for its image transforms; the model code needs one torchvision class, stubbed."""
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None:
+    # a second call finds the package stub of the first in sys.modules, where find_spec would raise
+    spec = None if "open_clip" in sys.modules else importlib.util.find_spec("open_clip")
+    if spec is None and "open_clip" not in sys.modules:
         pytest.skip("open_clip_torch is not installed (pip install --no-deps open_clip_torch && pip install ftfy)")
     pytest.importorskip("ftfy")
     import transformers  # noqa: F401  (first: transformers probes for torchvision and must not see the stub)
@@ -254,3 +255,363 @@ def test_weights_not_downloaded_is_one_line(name, repo):
 def test_every_registered_reward_states_its_scale():
     for name, loader in reward.REWARDS.items():
         assert "Scale:" in (loader.__doc__ or ""), f"load_{name} does not say what values to expect"
+
+
+# --------------------------------------------------------------------------- CLIP preprocessing as tensor ops
+
+
+def _smooth_images(n, h, w, seed):
+    # generated images are smooth at the pixel scale; uniform noise is the worst case for resampling
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(n, 3, h // 16 + 1, w // 16 + 1, generator=g)
+    return torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
+
+
+def _processor_pixels(image_processor, images):
+    return image_processor(images=reward.to_uint8_images(images), return_tensors="pt")["pixel_values"]
+
+
+@pytest.mark.parametrize("h,w", [(512, 512), (720, 720), (100, 60), (300, 200), (97, 513), (224, 300)])
+@pytest.mark.parametrize("resample,max_share", [(3, 0.02), (2, 0.06)])   # PIL's BICUBIC (every CLIP reward), BILINEAR
+def test_clip_pixel_values_match_the_processor(h, w, resample, max_share):
+    """clip_pixel_values against CLIPImageProcessor run on the uint8 pictures (PIL), at the real rewards' 224 px
+    with OpenAI's mean and std: shrinking (512 and 720, the trained resolutions), enlarging, non-square both ways,
+    crop only. Measured: never more than 2 uint8 levels apart, on at most 0.8% of the values for bicubic and
+    3.9% for bilinear (rounding ties: PIL computes in fixed point, torch in float). One bicubic pass instead of
+    PIL's two (each rounded and clipped to uint8) is up to 24 levels off where enlarged noise overshoots [0, 255];
+    no antialias, up to 171."""
+    from transformers import CLIPImageProcessor
+
+    processor = CLIPImageProcessor(resample=resample)
+    std = torch.tensor(processor.image_std).view(3, 1, 1)
+    for images in (torch.rand(2, 3, h, w, generator=torch.Generator().manual_seed(h * w)), _smooth_images(2, h, w, 1)):
+        want = _processor_pixels(processor, images)
+        got = reward.clip_pixel_values(images, processor)
+        assert got.shape == want.shape == (2, 3, 224, 224) and got.dtype == torch.float32
+        levels = (got - want).abs() * std * 255                       # the difference in uint8 levels
+        assert levels.max() <= 2 + 1e-3, levels.max()
+        assert (levels > 1e-2).float().mean() < max_share
+        if min(h, w) == 224:                                            # nothing resized: only the float formula
+            assert levels.max() < 1e-3
+
+
+def test_clip_pixel_values_stay_on_the_device():
+    """Meta tensors have no data: any step through PIL, numpy, .cpu() or .item() raises, so passing here means
+    the images never leave their device (a GPU in training)."""
+    from transformers import CLIPImageProcessor
+
+    got = reward.clip_pixel_values(torch.rand(3, 3, 512, 384, device="meta"), CLIPImageProcessor())
+    assert got.device.type == "meta" and got.shape == (3, 3, 224, 224)
+
+
+def test_clip_pixel_values_refuse_filters_torch_lacks():
+    from transformers import CLIPImageProcessor
+
+    with pytest.raises(reward.RewardError, match="only bilinear and bicubic") as e:
+        reward.clip_pixel_values(_images(1, side=64), CLIPImageProcessor(resample=1))   # PIL's LANCZOS
+    assert "\n" not in str(e.value)
+
+
+def _tiny_clip_224(tmp_path, logit_scale=None):
+    """A random CLIP reading the real rewards' 224 px (patch 32: 49 patches), byte-level tokenizer, seed 0."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    import vgrpo
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    vgrpo.write_byte_tokenizer(str(tmp_path))
+    torch.manual_seed(0)
+    config = CLIPConfig(text_config=dict(vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=512,
+                                         eos_token_id=513, pad_token_id=513),
+                        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=224, patch_size=32), projection_dim=16)
+    model = CLIPModel(config).eval()
+    if logit_scale is not None:
+        model.logit_scale.data.fill_(logit_scale)
+    return model, CLIPProcessor(CLIPImageProcessor(), CLIPTokenizer.from_pretrained(str(tmp_path), model_max_length=64))
+
+
+@pytest.mark.parametrize("h,w", [(512, 512), (720, 720), (100, 60), (97, 513)])
+def test_clip_reward_on_tensors_matches_the_processor_path(tmp_path, h, w):
+    """The reward fed by clip_pixel_values against the same model fed by the processor, PickScore's formula
+    (logit_scale.exp() * cos / 26). Measured: at most 6.5e-5 apart, 0.09% of the range of the batch's rewards
+    (this random model's rewards span about 0.1); the bound is 0.5% of that range."""
+    model, processor = _tiny_clip_224(tmp_path)
+    prompts = ["a red cat", "a dog", "two blue birds", "a house"]
+    for images in (torch.rand(4, 3, h, w, generator=torch.Generator().manual_seed(h * w)), _smooth_images(4, h, w, 2)):
+        got = reward.clip_similarity_reward(model, processor, "cpu", True, 26.0)(images, prompts)
+        inputs = processor(text=prompts, images=reward.to_uint8_images(images), return_tensors="pt", padding=True)
+        with torch.no_grad():
+            img = model.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output
+            txt = model.get_text_features(input_ids=inputs["input_ids"],
+                                          attention_mask=inputs["attention_mask"]).pooler_output
+        cos = (img * txt).sum(-1) / (img.norm(dim=-1) * txt.norm(dim=-1))
+        want = model.logit_scale.exp() * cos / 26
+        assert got.shape == (4,) and got.dtype == torch.float32
+        assert (got - want).abs().max() < 5e-3 * (want.max() - want.min()), (got - want).abs().max()
+
+
+def test_aesthetic_on_tensors_matches_the_processor_path(tmp_path):
+    """aesthetic_reward at 512 px against the MLP fed by the processor's pixels. Measured: 4.2e-3 apart on rewards
+    spanning 4.3 (0.1%); the bound, as above, is 0.5% of the batch's range."""
+    model, processor = _tiny_clip_224(tmp_path)
+    mlp = reward.AestheticMLP(dim=16)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    images = _smooth_images(4, 512, 512, 3)
+    got = reward.aesthetic_reward(model, processor.image_processor, mlp, "cpu")(images, [""] * 4)
+    with torch.no_grad():
+        e = model.get_image_features(pixel_values=_processor_pixels(processor.image_processor, images)).pooler_output
+        want = mlp(e / e.norm(dim=-1, keepdim=True))[:, 0]
+    assert got.shape == (4,) and got.dtype == torch.float32
+    assert (got - want).abs().max() < 5e-3 * (want.max() - want.min()), (got - want).abs().max()
+
+
+def test_clip_reward_in_bf16(tmp_path):
+    """dtype=bf16 runs the model in bf16 but keeps logit_scale.exp() in float32: with logit_scale = log(100), as in
+    real CLIP models, the scaled reward must be exactly 100 x the cosine (a bf16 logit_scale gives 98.9 x).
+    The bf16 cosine itself is within 2e-2 of float32's (measured 3.5e-3 on this random model)."""
+    images, prompts = _smooth_images(4, 512, 512, 4), ["a red cat", "a dog", "two blue birds", "a house"]
+    model, processor = _tiny_clip_224(tmp_path / "a", logit_scale=float(np.log(100)))
+    scaled = reward.clip_similarity_reward(model, processor, "cpu", True, dtype=torch.bfloat16)(images, prompts)
+    assert model.dtype == torch.bfloat16 and scaled.dtype == torch.float32
+    model, processor = _tiny_clip_224(tmp_path / "b")
+    cos16 = reward.clip_similarity_reward(model, processor, "cpu", False, dtype=torch.bfloat16)(images, prompts)
+    model, processor = _tiny_clip_224(tmp_path / "c")
+    cos32 = reward.clip_similarity_reward(model, processor, "cpu", False)(images, prompts)
+    torch.testing.assert_close(scaled, 100 * cos16, rtol=1e-5, atol=1e-6)
+    assert (cos16 - cos32).abs().max() < 2e-2 and not torch.equal(cos16, cos32)
+
+
+def test_load_reward_passes_device_and_dtype(monkeypatch):
+    seen = []
+    monkeypatch.setitem(reward.REWARDS, "pickscore", lambda device, dtype=None: seen.append((device, dtype)) or
+                        (lambda images, prompts: torch.zeros(len(images))))
+    reward.load_reward("pickscore:2", "cpu", torch.bfloat16)(_images(2), ["a", "b"])
+    reward.load_reward("pickscore")
+    assert seen == [("cpu", torch.bfloat16), ("cpu", None)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_clip_reward_on_cuda_matches_cpu(tmp_path, monkeypatch):
+    """Images decoded on the GPU are scored there: the reward equals the CPU one (float32, TF32 off) within 1e-4."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)   # the patch embedding is a convolution
+    images, prompts = _smooth_images(4, 512, 512, 5), ["a red cat", "a dog", "two blue birds", "a house"]
+    model, processor = _tiny_clip_224(tmp_path / "cpu")
+    want = reward.clip_similarity_reward(model, processor, "cpu", True, 26.0)(images, prompts)
+    model, processor = _tiny_clip_224(tmp_path / "gpu")
+    got = reward.clip_similarity_reward(model, processor, "cuda", True, 26.0)(images.cuda(), prompts)
+    assert got.device.type == "cpu" and got.dtype == torch.float32
+    assert (got - want).abs().max() < 1e-4
+    assert reward.clip_pixel_values(images.cuda(), processor.image_processor).device.type == "cuda"
+
+
+# --------------------------------------------------------------------------- hub_standins.py: the hub models offline
+# conftest's hub_cache holds tiny random models under the real ids, in the Hugging Face cache layout. These tests load
+# them by name, offline, exactly as vgrpo and reward.py do on a cluster, and check the features those loaders rely on.
+
+
+SD3_ID, FLUX_ID = "stabilityai/stable-diffusion-3.5-medium", "black-forest-labs/FLUX.1-dev"
+_PROMPTS = ["a red cat", "two dogs playing chess", "A house!", "photo of the sea"]
+
+
+def test_standins_resolve_from_the_cache_and_nowhere_else(use_hub_cache, monkeypatch, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+    from huggingface_hub import constants, snapshot_download
+
+    path = snapshot_download(SD3_ID)
+    assert os.path.realpath(path).startswith(os.path.realpath(use_hub_cache) + os.sep), path
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))       # an empty cache: every load must fail
+    with pytest.raises(OSError):
+        StableDiffusion3Pipeline.from_pretrained(SD3_ID)
+    for name in ("pickscore", "clipscore", "hpsv2", "aesthetic"):
+        with pytest.raises(reward.RewardError, match=f"reward '{name}' needs"):
+            reward.load_reward(name)
+
+
+def test_sd3_standin_has_the_real_pipelines_features(use_hub_cache):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(SD3_ID)
+    clip_l, clip_g, t5 = pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3
+    assert [type(e).__name__ for e in (clip_l, clip_g, t5)] == ["CLIPTextModelWithProjection"] * 2 + ["T5EncoderModel"]
+    assert pipe.tokenizer.model_max_length == pipe.tokenizer_2.model_max_length == 77
+    assert clip_l.config.max_position_embeddings == clip_g.config.max_position_embeddings == 77
+    t, vae = pipe.transformer.config, pipe.vae.config
+    assert (t.in_channels, t.out_channels, t.patch_size, t.qk_norm, tuple(t.dual_attention_layers)) == \
+        (16, 16, 2, "rms_norm", (0,))
+    assert (vae.latent_channels, pipe.vae_scale_factor, vae.scaling_factor, vae.shift_factor) == (16, 8, 1.5305, 0.0609)
+    # SD3 concatenates the two CLIP hidden states and zero-pads them to T5's width, the joint attention width
+    assert t.joint_attention_dim == t5.config.d_model > clip_l.config.hidden_size + clip_g.config.hidden_size
+    assert t.pooled_projection_dim == clip_l.config.projection_dim + clip_g.config.projection_dim
+    assert pipe.scheduler.config.shift == 3.0 and not pipe.scheduler.config.use_dynamic_shifting
+
+    # vgrpo's SD3Family.encode_one: 77 CLIP tokens then 256 T5 tokens; the T5 part is T5's output, not zeros
+    emb, _, pooled, _ = pipe.encode_prompt("a red cat", None, None, do_classifier_free_guidance=False,
+                                           max_sequence_length=256)
+    assert emb.shape == (1, 77 + 256, t.joint_attention_dim) and pooled.shape == (1, t.pooled_projection_dim)
+    ids = pipe.tokenizer_3("a red cat", padding="max_length", max_length=256, return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(emb[:, 77:], t5(ids)[0])
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a red cat", height=64, width=48, num_inference_steps=2, output_type="pt",
+                 generator=torch.Generator().manual_seed(0)).images
+    assert image.shape == (1, 3, 64, 48) and torch.isfinite(image).all()
+
+
+def test_flux_standin_has_the_real_pipelines_features(use_hub_cache):
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(FLUX_ID)
+    clip, t5 = pipe.text_encoder, pipe.text_encoder_2
+    assert [type(e).__name__ for e in (clip, t5)] == ["CLIPTextModel", "T5EncoderModel"]
+    assert pipe.tokenizer.model_max_length == clip.config.max_position_embeddings == 77
+    t, vae, s = pipe.transformer.config, pipe.vae.config, pipe.scheduler.config
+    assert t.guidance_embeds and t.in_channels == 4 * vae.latent_channels == 64        # 2x2-packed latents
+    assert sum(t.axes_dims_rope) == t.attention_head_dim                            # rotary axes fill a head
+    assert t.joint_attention_dim == t5.config.d_model and t.pooled_projection_dim == clip.config.hidden_size
+    assert (pipe.vae_scale_factor, vae.scaling_factor, vae.shift_factor) == (8, 0.3611, 0.1159)
+    assert (s.use_dynamic_shifting, s.base_shift, s.max_shift, s.base_image_seq_len, s.max_image_seq_len, s.shift) == \
+        (True, 0.5, 1.15, 256, 4096, 3.0)
+
+    emb, pooled, _ = pipe.encode_prompt("a red cat", None, max_sequence_length=512)   # FluxFamily's 512 T5 tokens
+    assert emb.shape == (1, 512, t.joint_attention_dim) and pooled.shape == (1, t.pooled_projection_dim)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a red cat", height=64, width=48, num_inference_steps=2, output_type="pt", max_sequence_length=512,
+                 generator=torch.Generator().manual_seed(0)).images
+    assert image.shape == (1, 3, 64, 48) and torch.isfinite(image).all()
+
+
+def _projected_clip_features(model, processor, images, prompts):
+    """CLIP embeddings taken by hand: each tower's pooled token through its projection; text padded to the full 77
+    tokens (the reward pads to the longest prompt: the causal mask makes the two agree)."""
+    pixels = processor(images=reward.to_uint8_images(images), return_tensors="pt")["pixel_values"]
+    text = processor.tokenizer(prompts, padding="max_length", max_length=77, return_tensors="pt")
+    with torch.no_grad():
+        img = model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output)
+        txt = model.text_projection(model.text_model(input_ids=text.input_ids).pooler_output)
+    return pixels, img, txt
+
+
+@pytest.mark.parametrize("name,model_id,processor_id", [
+    ("pickscore", reward.PICKSCORE_MODEL, reward.PICKSCORE_PROCESSOR),
+    ("clipscore", reward.CLIPSCORE_MODEL, reward.CLIPSCORE_MODEL)])
+def test_clip_rewards_from_the_standins_match_formula(use_hub_cache, name, model_id, processor_id):
+    """PickScore = logit_scale.exp() * cos / 26, CLIPScore = cos. Images at the processors' 224 px: nothing is
+    resized, so the reward's tensor preprocessing and the processor's PIL path give the same pixels."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    model, processor = CLIPModel.from_pretrained(model_id).eval(), CLIPProcessor.from_pretrained(processor_id)
+    images = _images(4, side=224, seed=5)
+    pixels, img, txt = _projected_clip_features(model, processor, images, _PROMPTS)
+    assert pixels.shape == (4, 3, 224, 224) and model.config.vision_config.image_size == 224
+    np.testing.assert_allclose(processor.image_processor.image_std, [0.26862954, 0.26130258, 0.27577711])
+    cos = (img * txt).sum(-1) / (img.norm(dim=-1) * txt.norm(dim=-1))
+    want = 100 * cos / 26 if name == "pickscore" else cos           # the stand-ins' logit scale is ln 100, as trained
+    assert model.logit_scale.exp().item() == pytest.approx(100, rel=1e-5)
+    got = reward.load_reward(name)(images, _PROMPTS)
+    assert got.shape == (4,) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert (want.max() - want.min()) > 1e-3                              # a batch whose rewards differ
+
+
+def test_aesthetic_from_the_standins_matches_formula(use_hub_cache):
+    """MLP(normalised CLIP-L image embedding), the MLP applied as its five affine maps read from the .pth."""
+    from huggingface_hub import hf_hub_download
+    from transformers import CLIPModel, CLIPProcessor
+
+    model = CLIPModel.from_pretrained(reward.AESTHETIC_CLIP).eval()
+    processor = CLIPProcessor.from_pretrained(reward.AESTHETIC_CLIP)
+    weights = torch.load(hf_hub_download(reward.AESTHETIC_REPO, reward.AESTHETIC_FILE), weights_only=True)
+    images = _images(4, side=224, seed=6)
+    _, x, _ = _projected_clip_features(model, processor, images, [""] * 4)
+    x = x / x.norm(dim=-1, keepdim=True)
+    for i in (0, 2, 4, 6, 7):
+        x = x @ weights[f"layers.{i}.weight"].T + weights[f"layers.{i}.bias"]
+    got = reward.load_reward("aesthetic")(images, _PROMPTS)
+    assert got.shape == (4,) and got.dtype == torch.float32
+    torch.testing.assert_close(got, x[:, 0], rtol=1e-4, atol=1e-4)
+    assert 2 < got.mean() < 9 and got.std() > 1e-3        # near the real head's ~5.5, and the images' scores differ
+
+
+def test_hpsv2_from_the_standins_matches_openclip(use_hub_cache):
+    """The stand-in HPS_v2.1 checkpoint is OpenCLIP's format: OpenCLIP itself loads it (strictly) into a CLIP of the
+    laion config's shape, and its normalised image . text features are what load_hpsv2 computes."""
+    from huggingface_hub import hf_hub_download
+    from transformers import CLIPConfig, CLIPProcessor
+
+    oc_model, _ = _import_open_clip_model()
+    config = CLIPConfig.from_pretrained(reward.HPS_BACKBONE)
+    t, v = config.text_config, config.vision_config
+    oc = oc_model.CLIP(
+        embed_dim=config.projection_dim,
+        vision_cfg=oc_model.CLIPVisionCfg(layers=v.num_hidden_layers, width=v.hidden_size, patch_size=v.patch_size,
+                                          head_width=v.hidden_size // v.num_attention_heads, image_size=v.image_size,
+                                          mlp_ratio=v.intermediate_size / v.hidden_size),
+        text_cfg=oc_model.CLIPTextCfg(context_length=t.max_position_embeddings, vocab_size=t.vocab_size,
+                                      width=t.hidden_size, heads=t.num_attention_heads, layers=t.num_hidden_layers,
+                                      mlp_ratio=t.intermediate_size / t.hidden_size)).eval()
+    checkpoint = torch.load(hf_hub_download(reward.HPS_REPO, reward.HPS_FILE), weights_only=True)
+    oc.load_state_dict({k: w.float() for k, w in checkpoint["state_dict"].items()})
+    processor = CLIPProcessor.from_pretrained(reward.HPS_BACKBONE)
+    images = _images(4, side=224, seed=7)
+    pixels = processor(images=reward.to_uint8_images(images), return_tensors="pt")["pixel_values"]
+    # OpenCLIP pools the text at the highest token id, the byte vocabulary's end-of-text (513): the same token
+    tokens = processor.tokenizer(_PROMPTS, padding="max_length", max_length=77, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = (oc.encode_image(pixels, normalize=True) * oc.encode_text(tokens, normalize=True)).sum(-1)
+    got = reward.load_reward("hpsv2")(images, _PROMPTS)
+    assert got.shape == (4,) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _tensors(cache, repo, filename):
+    from safetensors.torch import load_file
+
+    snapshots = os.path.join(cache, "models--" + repo.replace("/", "--"), "snapshots")
+    (revision,) = os.listdir(snapshots)
+    return load_file(os.path.join(snapshots, revision, filename))
+
+
+def test_standin_weights_are_a_function_of_the_seed(hub_cache, hub_cache_other_seed):
+    """Every randomly drawn weight (matrices, convolutions, embeddings) differs between seeds 0 and 1; norms
+    (initialised to 1) and SD3's sin-cos position table are the same by construction."""
+    for repo, filename in [(SD3_ID, "transformer/diffusion_pytorch_model.safetensors"),
+                           (SD3_ID, "text_encoder_3/model.safetensors"),
+                           (FLUX_ID, "vae/diffusion_pytorch_model.safetensors"),
+                           (reward.PICKSCORE_MODEL, "model.safetensors")]:
+        a, b = _tensors(hub_cache, repo, filename), _tensors(hub_cache_other_seed, repo, filename)
+        assert a.keys() == b.keys()
+        drawn = [k for k in a if k.endswith("weight") and a[k].dim() >= 2]
+        assert len(drawn) > 3 and not [k for k in drawn if torch.equal(a[k], b[k])], (repo, filename)
+
+
+def test_standin_cli_is_deterministic_and_idempotent(hub_cache, tmp_path, capsys):
+    """`python hub_standins.py DIR` with seed 0 writes the same bytes as the session's cache; a second call
+    rewrites nothing; a directory that holds a real download of one of the ids is refused."""
+    import hashlib
+
+    import hub_standins
+
+    def files(root):
+        out = {}
+        for d, _, names in os.walk(root):
+            for n in names:
+                with open(os.path.join(d, n), "rb") as f:
+                    out[os.path.relpath(os.path.join(d, n), root)] = (hashlib.sha1(f.read()).hexdigest(),
+                                                                      os.stat(os.path.join(d, n)).st_mtime_ns)
+        return out
+
+    hub_standins.main([str(tmp_path / "hub")])
+    assert f"HF_HUB_CACHE={tmp_path / 'hub'} HF_HUB_OFFLINE=1" in capsys.readouterr().out
+    first, session = files(tmp_path / "hub"), files(hub_cache)
+    assert {k: h for k, (h, _) in first.items()} == {k: h for k, (h, _) in session.items()}
+    assert len(first) > 40 and any(k.endswith("refs/main") for k in first)
+    hub_standins.main([str(tmp_path / "hub")])
+    assert files(tmp_path / "hub") == first                                 # same hashes and modification times
+
+    real = tmp_path / "real" / ("models--" + SD3_ID.replace("/", "--")) / "blobs"
+    real.mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="real download of stabilityai"):
+        hub_standins.build_hub_cache(str(tmp_path / "real"))

@@ -1,0 +1,352 @@
+"""Offline stand-ins for every model vgrpo and reward.py load by name, written in the Hugging Face cache layout.
+
+    python hub_standins.py /tmp/hub                   # 5-15 s on a CPU, 11 MB
+    HF_HUB_CACHE=/tmp/hub HF_HUB_OFFLINE=1 python vgrpo.py --model sd3 --reward pickscore --mixed-precision no \
+        --resolution 64 --sample-steps 4 --prompts-per-step 2 --group-size 4 --iterations 2
+
+The cache format is public: repository `org/name` lives in `models--org--name/`, whose `refs/main` names a
+commit and whose `snapshots/<commit>/` holds the repository's files. Tiny models with random weights saved
+there with `save_pretrained` resolve under the real ids with HF_HUB_OFFLINE=1, so `--model sd3`, `--model flux`
+and the CLIP-based rewards load through exactly the code they run on a cluster, without any download.
+
+Each stand-in keeps what the loaders and pipelines depend on: the real classes, the three text encoders of
+SD3.5 and the two of FLUX.1 with tokenizers at their real lengths (CLIP 77, T5 up to 512), 16 latent channels
+behind an 8x VAE with the real scaling and shift factors, SD3.5's patch size 2, RMS qk-norm and dual-attention
+block, FLUX.1's packed 64-channel input, guidance embedding and resolution-dependent shift, CLIP image
+processors at 224 px with CLIP's mean and std, the OpenCLIP checkpoint format of HPSv2.1 and the state dict of
+the LAION aesthetic head. Widths are near 32 and there are 1-2 layers, so a process loads SD3 and PickScore
+in a few seconds. Weights are a function of `seed` alone: two caches with different seeds differ in every
+randomly drawn tensor (norms start at 1 in both), the same seed gives the same bytes.
+"""
+
+import argparse
+import contextlib
+import hashlib
+import math
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+import reward
+from vgrpo import MODEL_IDS, write_byte_tokenizer
+
+BYTE_VOCAB = 514          # write_byte_tokenizer: 256 bytes, the same + </w>, <|startoftext|> 512, <|endoftext|> 513
+CLIP_CONTEXT = 77         # every real CLIP text encoder reads 77 tokens; SD3 and FLUX rely on it
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+MARKER = ".vgrpo-standin"  # in a repository folder: written by this file, so it may be replaced
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+@contextlib.contextmanager
+def seeded(seed, *name):
+    """Torch's global RNG seeded from (seed, name), restored afterwards: each part's weights depend on the cache's
+    seed and the part's name only, not on which parts were built before it."""
+    digest = hashlib.sha256("/".join(map(str, (seed, *name))).encode()).digest()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        yield
+
+
+def clip_tokenizer():
+    """vgrpo's byte-level CLIP tokenizer (no merges, so no vocabulary to download) at CLIP's real 77 tokens."""
+    from transformers import CLIPTokenizer
+
+    with tempfile.TemporaryDirectory() as d:
+        write_byte_tokenizer(d)
+        tokenizer = CLIPTokenizer.from_pretrained(d, model_max_length=CLIP_CONTEXT)
+    assert len(tokenizer) == BYTE_VOCAB, f"write_byte_tokenizer now has {len(tokenizer)} tokens, not {BYTE_VOCAB}"
+    return tokenizer
+
+
+def clip_text_config(width, layers=2, hidden_act="quick_gelu"):
+    """A CLIP text tower over the byte vocabulary; pad = eos, as in OpenAI's CLIP-L tokenizer, so the pooled
+    token (the first eos) is the same whatever the padding."""
+    return dict(vocab_size=BYTE_VOCAB, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+                num_attention_heads=2, max_position_embeddings=CLIP_CONTEXT, projection_dim=width,
+                hidden_act=hidden_act, bos_token_id=512, eos_token_id=513, pad_token_id=513)
+
+
+def clip_text_encoder(seed, name, width, with_projection):
+    """SD3's CLIP-L / CLIP-G (CLIPTextModelWithProjection, projection = width as in both real ones) or FLUX's CLIP-L
+    (CLIPTextModel, whose pooled output of size `width` is FLUX's pooled projection input)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    with seeded(seed, name):
+        cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+        return cls(CLIPTextConfig(**clip_text_config(width))).eval()
+
+
+def t5_tokenizer():
+    """A character-level unigram T5 tokenizer built in code (the real SentencePiece model cannot be downloaded):
+    T5's special tokens at their real ids (<pad> 0, </s> 1, <unk> 2), then printable ASCII and the word marker."""
+    from transformers import T5Tokenizer
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
+    vocab += [(chr(c), -2.0) for c in range(33, 127)]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=512)
+
+
+def t5_encoder(seed, name, width, vocab_size):
+    """T5 v1.1 as in T5-XXL (gated GELU feed-forward, relative position buckets, so any sequence length works)."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(vocab_size=vocab_size, d_model=width, d_kv=16, d_ff=2 * width, num_layers=1, num_heads=2,
+                      feed_forward_proj="gated-gelu", dropout_rate=0.0, tie_word_embeddings=False)
+    with seeded(seed, name):
+        return T5EncoderModel(config).eval()
+
+
+def vae_8x(seed, name, scaling_factor, shift_factor):
+    """AutoencoderKL as in SD3 and FLUX.1: four blocks (8x downsampling) into 16 latent channels, no quant convs."""
+    from diffusers import AutoencoderKL
+
+    with seeded(seed, name):
+        return AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 16, 16, 32), layers_per_block=1,
+            latent_channels=16, norm_num_groups=8, sample_size=1024, scaling_factor=scaling_factor,
+            shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False).eval()
+
+
+def clip_model(seed, name, config):
+    from transformers import CLIPModel
+
+    with seeded(seed, name):
+        return CLIPModel(config).eval()
+
+
+def clip_config(width, projection_dim, hidden_act):
+    """A CLIPModel over the byte vocabulary seeing 224 px images in 14 px patches (ViT-L/14, ViT-H/14), logit
+    scale 100 (ln 100 = 4.6052: the value trained CLIP models reach, where training clips it)."""
+    from transformers import CLIPConfig
+
+    vision = dict(hidden_size=width, intermediate_size=4 * width, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=224, patch_size=14, hidden_act=hidden_act)
+    return CLIPConfig(text_config=clip_text_config(width, layers=1, hidden_act=hidden_act), vision_config=vision,
+                      projection_dim=projection_dim, logit_scale_init_value=math.log(100.0))
+
+
+def clip_processor():
+    """CLIP's image preprocessing at 224 px (shortest side resized bicubically, centre crop, CLIP mean and std)."""
+    from transformers import CLIPImageProcessor, CLIPProcessor
+
+    images = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}, resample=3,
+                                image_mean=CLIP_MEAN, image_std=CLIP_STD)
+    return CLIPProcessor(image_processor=images, tokenizer=clip_tokenizer())
+
+
+def transformers_to_openclip(state_dict):
+    """transformers' CLIPModel weights -> OpenCLIP's names and layouts (the format HPSv2 ships; the inverse of
+    reward.openclip_to_transformers): q, k, v packed into one in_proj, projections stored as (width, embed)."""
+    renames = {"vision_model.embeddings.patch_embedding.": "visual.conv1.",
+               "vision_model.embeddings.class_embedding": "visual.class_embedding",
+               "vision_model.embeddings.position_embedding.weight": "visual.positional_embedding",
+               "vision_model.pre_layrnorm.": "visual.ln_pre.", "vision_model.post_layernorm.": "visual.ln_post.",
+               "text_model.embeddings.token_embedding.": "token_embedding.",
+               "text_model.embeddings.position_embedding.weight": "positional_embedding",
+               "text_model.final_layer_norm.": "ln_final.", "logit_scale": "logit_scale",
+               "vision_model.encoder.layers.": "visual.transformer.resblocks.",
+               "text_model.encoder.layers.": "transformer.resblocks."}
+    block = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "self_attn.out_proj": "attn.out_proj",
+             "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+    out = {"visual.proj": state_dict["visual_projection.weight"].t().contiguous(),
+           "text_projection": state_dict["text_projection.weight"].t().contiguous()}
+    for key, value in state_dict.items():
+        if key.endswith("position_ids") or key in ("visual_projection.weight", "text_projection.weight"):
+            continue
+        src = next(s for s in renames if key.startswith(s))
+        rest = key[len(src):]
+        if not src.endswith("layers."):
+            out[renames[src] + rest] = value
+            continue
+        index, _, name = rest.partition(".")                      # '0', 'self_attn.q_proj.weight'
+        base = f"{renames[src]}{index}."
+        module, _, kind = name.rpartition(".")
+        if module == "self_attn.q_proj":                          # k and v are taken with q
+            qkv = [state_dict[f"{src}{index}.self_attn.{p}_proj.{kind}"] for p in "qkv"]
+            out[f"{base}attn.in_proj_{kind}"] = torch.cat(qkv)
+        elif module in block:
+            out[f"{base}{block[module]}.{kind}"] = value
+    return out
+
+
+# --------------------------------------------------------------------------- the stand-ins, one per repository
+
+
+def build_sd3(directory, seed):
+    """stabilityai/stable-diffusion-3.5-medium: CLIP-L (32) + CLIP-G (64) + T5 (128); their CLIP hidden states are
+    concatenated (96) and zero-padded to the T5 width, which is the joint attention width; pooled = 32 + 64."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    t5_tok = t5_tokenizer()
+    with seeded(seed, "sd3/transformer"):
+        transformer = SD3Transformer2DModel(
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=128, caption_projection_dim=32, pooled_projection_dim=96,
+            pos_embed_max_size=128, dual_attention_layers=(0,), qk_norm="rms_norm").eval()
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae_8x(seed, "sd3/vae", 1.5305, 0.0609),
+        text_encoder=clip_text_encoder(seed, "sd3/clip_l", 32, True), tokenizer=clip_tokenizer(),
+        text_encoder_2=clip_text_encoder(seed, "sd3/clip_g", 64, True), tokenizer_2=clip_tokenizer(),
+        text_encoder_3=t5_encoder(seed, "sd3/t5", 128, len(t5_tok)), tokenizer_3=t5_tok)
+    pipe.save_pretrained(directory)
+
+
+def build_flux(directory, seed):
+    """black-forest-labs/FLUX.1-dev: CLIP-L (pooled, 32) + T5 (64, the joint attention width); 2 heads of 16 with
+    rotary axes (4, 6, 6) summing to the head dim; 2x2-packed latents, so 64 input channels."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    t5_tok = t5_tokenizer()
+    with seeded(seed, "flux/transformer"):
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6)).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = FluxPipeline(
+        scheduler=scheduler, vae=vae_8x(seed, "flux/vae", 0.3611, 0.1159),
+        text_encoder=clip_text_encoder(seed, "flux/clip_l", 32, False), tokenizer=clip_tokenizer(),
+        text_encoder_2=t5_encoder(seed, "flux/t5", 64, len(t5_tok)), tokenizer_2=t5_tok, transformer=transformer)
+    pipe.save_pretrained(directory)
+
+
+def build_vit_h(directory, seed):
+    """laion/CLIP-ViT-H-14-laion2B-s32B-b79K: the base of PickScore and HPSv2.1; config (read by the hpsv2
+    reward), weights and processor. OpenCLIP's ViT-H uses the exact GELU."""
+    clip_model(seed, "vit_h", clip_config(32, 32, "gelu")).save_pretrained(directory)
+    clip_processor().save_pretrained(directory)
+
+
+def build_pickscore(directory, seed):
+    """yuvalkirstain/PickScore_v1: a fine-tune of the ViT-H above, so the same config with other weights; like the
+    real repository it is loaded with the processor of the laion one."""
+    clip_model(seed, "pickscore", clip_config(32, 32, "gelu")).save_pretrained(directory)
+
+
+def build_clip_l(directory, seed):
+    """openai/clip-vit-large-patch14 (CLIPScore, aesthetic): quick GELU like OpenAI's models; the real 768-wide
+    projection, because the aesthetic head reads 768 features."""
+    clip_model(seed, "clip_l", clip_config(32, 768, "quick_gelu")).save_pretrained(directory)
+    clip_processor().save_pretrained(directory)
+
+
+def build_hpsv2(directory, seed):
+    """xswu/HPSv2 HPS_v2.1_compressed.pt: {'state_dict': OpenCLIP weights in float16} of a model with the laion
+    config above (reward.load_hpsv2 builds the CLIPModel from that config and converts these weights)."""
+    model = clip_model(seed, "hpsv2", clip_config(32, 32, "gelu"))
+    state_dict = {k: v.half() for k, v in transformers_to_openclip(model.state_dict()).items()}
+    torch.save({"state_dict": state_dict}, os.path.join(directory, reward.HPS_FILE))
+
+
+def build_aesthetic(directory, seed):
+    """camenduru/improved-aesthetic-predictor sac+logos+ava1-l14-linearMSE.pth: the head's plain state dict. Weights
+    drawn so the score spreads about 1 around 5.5, the real head's typical value, instead of the default
+    initialisation's ~1e-3 around 0 (an affine map of a unit vector: each layer keeps the scale of its input)."""
+    with seeded(seed, "aesthetic"):
+        mlp = reward.AestheticMLP()
+        linears = [m for m in mlp.layers if isinstance(m, torch.nn.Linear)]
+        for i, layer in enumerate(linears):
+            torch.nn.init.normal_(layer.weight, std=1.0 if i == 0 else layer.in_features ** -0.5)
+            torch.nn.init.zeros_(layer.bias)
+        torch.nn.init.constant_(linears[-1].bias, 5.5)
+    torch.save(mlp.state_dict(), os.path.join(directory, reward.AESTHETIC_FILE))
+
+
+STANDINS = {
+    MODEL_IDS["sd3"]: build_sd3,
+    MODEL_IDS["flux"]: build_flux,
+    reward.PICKSCORE_PROCESSOR: build_vit_h,   # also reward.HPS_BACKBONE
+    reward.PICKSCORE_MODEL: build_pickscore,
+    reward.CLIPSCORE_MODEL: build_clip_l,      # also reward.AESTHETIC_CLIP
+    reward.HPS_REPO: build_hpsv2,
+    reward.AESTHETIC_REPO: build_aesthetic,
+}
+
+
+# --------------------------------------------------------------------------- the cache layout
+
+
+def _source_digest():
+    with open(os.path.abspath(__file__), "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()
+
+
+def _read(path):
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def revision(repo, seed):
+    """The snapshot's 40-hex 'commit': changes with the seed and with this file, so an edited builder rebuilds."""
+    return hashlib.sha1(f"{repo}\n{seed}\n{_source_digest()}".encode()).hexdigest()
+
+
+def write_repo(cache_dir, repo, build, seed):
+    """One repository in the hub layout; returns False when the same revision is already complete there."""
+    folder = os.path.join(cache_dir, "models--" + repo.replace("/", "--"))
+    if os.path.isdir(folder) and not os.path.exists(os.path.join(folder, MARKER)):
+        raise FileExistsError(f"{folder} holds a real download of {repo}, not a stand-in: use another directory")
+    rev, ref = revision(repo, seed), os.path.join(folder, "refs", "main")
+    snapshots = os.path.join(folder, "snapshots")
+    if os.path.isdir(os.path.join(snapshots, rev)) and _read(ref) == rev:
+        return False
+    os.makedirs(os.path.join(folder, "refs"), exist_ok=True)
+    os.makedirs(snapshots, exist_ok=True)
+    with open(os.path.join(folder, MARKER), "w") as f:
+        f.write("random-weight stand-in written by hub_standins.py\n")
+    staging = tempfile.mkdtemp(prefix=".building-", dir=folder)  # outside snapshots/: never seen half-written
+    try:
+        build(staging, seed)
+        for old in os.listdir(snapshots):   # an older stand-in (other seed or builder) of this repository
+            shutil.rmtree(os.path.join(snapshots, old))
+        os.replace(staging, os.path.join(snapshots, rev))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    with open(ref + ".tmp", "w") as f:   # refs/main last: a reader sees the old revision or the complete new one
+        f.write(rev)
+    os.replace(ref + ".tmp", ref)
+    return True
+
+
+def build_hub_cache(cache_dir, seed=0):
+    """Write a stand-in for every repository in STANDINS into `cache_dir` (use it as HF_HUB_CACHE). Cheap to call
+    again: a repository whose revision for this seed and this file is already complete is skipped."""
+    os.makedirs(cache_dir, exist_ok=True)
+    cache_dir = os.path.abspath(cache_dir)
+    for repo, build in STANDINS.items():
+        write_repo(cache_dir, repo, build, seed)
+    return cache_dir
+
+
+def disk_usage(directory):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Write random-weight stand-ins of the hub models vgrpo uses.")
+    parser.add_argument("directory", help="the cache directory to write (use it as HF_HUB_CACHE)")
+    parser.add_argument("--seed", type=int, default=0, help="weights are a function of this seed")
+    args = parser.parse_args(argv)
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()   # one bar per saved model would bury the two lines that matter
+    start = time.time()
+    path = build_hub_cache(args.directory, args.seed)
+    print(f"{len(STANDINS)} stand-ins (seed {args.seed}) in {path}: {disk_usage(path) / 2**20:.1f} MiB, "
+          f"{time.time() - start:.0f} s\n" + "\n".join(f"  {repo}" for repo in STANDINS))
+    print(f"use them with:\n  HF_HUB_CACHE={path} HF_HUB_OFFLINE=1 python vgrpo.py --model sd3 --reward pickscore "
+          "--mixed-precision no --resolution 64 --sample-steps 4 --prompts-per-step 2 --group-size 4 --iterations 2")
+
+
+if __name__ == "__main__":
+    main()

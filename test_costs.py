@@ -99,3 +99,42 @@ def test_the_sampling_batch_changes_nothing_but_float_rounding():
     assert (r1 - r2).abs().max() < 1e-4 * r1.abs().max()
     assert s1["grad_norm"] > 0 and abs(s1["grad_norm"] - s2["grad_norm"]) < 1e-4 * s1["grad_norm"]
     assert abs(s1["policy_loss"] - s2["policy_loss"]) < 1e-4 * abs(s1["policy_loss"]) + 1e-9
+
+
+# --------------------------------------------------------------------------- text encoders: once, at start
+
+
+def test_every_prompt_is_encoded_once_at_start_into_a_store_that_a_resume_reads_back(tmp_path, monkeypatch):
+    run = build(output_dir=str(tmp_path))
+    family = run.family
+    assert set(family._store) == set(run.prompts) | {""}      # the empty prompt for CFG too
+    for prompt in (run.prompts[0], run.prompts[-1], ""):     # batched encoding = one prompt at a time
+        one = family.encode_texts([prompt])
+        for stored, single in zip(family.encode([prompt]), one):
+            assert torch.allclose(stored, single, atol=1e-5)
+    assert (tmp_path / "embeddings.pt").exists()
+
+    def no_encoding(self, prompts):
+        raise AssertionError("encoded again although the store was saved")
+
+    monkeypatch.setattr(vgrpo.SD3Family, "encode_texts", no_encoding)
+    again = build(output_dir=str(tmp_path))                   # a resume: the store is read back, nothing encoded
+    assert all(torch.equal(a, b) for a, b in zip(again.family._stored, family._stored))
+
+
+def test_offloaded_text_encoders_are_freed_once_the_store_is_made(tmp_path):
+    family = vgrpo.load_family(vgrpo.Args(model="tiny-flux"), torch.device("cpu"))
+    family.offload = True                                     # as on CUDA
+    assert family.encode_all(["a cat", "a dog"], str(tmp_path / "e.pt"))
+    assert family.pipe.text_encoder is None and family.pipe.text_encoder_2 is None
+    assert family.encode(["a dog", "a cat", "a dog"])[0].shape[0] == 3
+    with pytest.raises(vgrpo.FatalError, match="'a fox' is not in the embedding store"):
+        family.encode(["a fox"])
+
+
+def test_a_store_that_would_not_fit_falls_back_to_encoding_on_demand(tmp_path):
+    family = vgrpo.load_family(vgrpo.Args(model="tiny"), torch.device("cpu"))
+    family.store_bytes = 1000                                 # less than one prompt's embeddings
+    assert not family.encode_all(["a cat", "a dog"], str(tmp_path / "e.pt"))
+    assert family._store is None and not (tmp_path / "e.pt").exists() and family.text_encoders()
+    assert family.encode(["a fox"])[0].shape[0] == 1 and "a fox" in family._cache

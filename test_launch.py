@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -27,17 +28,24 @@ MAIN_COMMAND = "torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward picksc
 SHRINK = ["--resolution", "32", "--sample-steps", "4", "--iterations", "2"]
 
 
-def launch_lines():
-    """Every `torchrun ... vgrpo.py ...` and `python vgrpo.py ...` in the README and in vgrpo.py's docstring,
-    continuation lines joined, shell comments and markdown table cells cut off."""
+def find_launch_lines(text):
+    """`torchrun ... vgrpo.py ...` and `python vgrpo.py ...` commands in text, continuation lines joined, shell
+    comments and markdown table cells cut off."""
+    text = re.sub(r"\\\n\s*", " ", text)
+    word = r"[ \t]+(?!torchrun\b|python\b)[^\s`|#]+"   # a word on the same line that starts no other command
+    pattern = rf"(?:torchrun|python)(?:{word})*?[ \t]+vgrpo\.py(?:{word})*"
+    return [m.group(0).strip() for m in re.finditer(pattern, text)]
+
+
+def readme():
     with open(os.path.join(HERE, "README.md")) as f:
-        sources = [("README.md", f.read()), ("vgrpo.py docstring", vgrpo.__doc__)]
-    found = []
-    for where, text in sources:
-        text = re.sub(r"\\\n\s*", " ", text)
-        for m in re.finditer(r"(?:torchrun|python)\s[^\n`|#]*?vgrpo\.py(?:[ \t][^\n`|#]*)?", text):
-            found.append((where, m.group(0).strip()))
-    return found
+        return f.read()
+
+
+def launch_lines():
+    """Every launch line of the README and of vgrpo.py's docstring, with where it was found."""
+    return [(where, line) for where, text in (("README.md", readme()), ("vgrpo.py docstring", vgrpo.__doc__))
+            for line in find_launch_lines(text)]
 
 
 def world_size(tokens):
@@ -49,12 +57,11 @@ def world_size(tokens):
     return nodes * int(flags.get("nproc_per_node", flags.get("nproc-per-node", "1")))
 
 
-def test_the_readme_leads_with_the_main_command_and_lists_enough_launch_lines():
-    lines = launch_lines()
-    readme = [line for where, line in lines if where == "README.md"]
-    assert readme and readme[0] == MAIN_COMMAND, readme[:1]
-    assert MAIN_COMMAND in [line for _, line in lines if _ != "README.md"]  # the docstring too
-    assert len(readme) >= 6 and len(lines) >= 12, lines   # a regex that stopped matching would pass vacuously
+def test_the_quick_start_leads_with_the_main_command_and_enough_lines_are_checked():
+    assert find_launch_lines(readme().split("## Quick start", 1)[1])[0] == MAIN_COMMAND
+    assert MAIN_COMMAND in find_launch_lines(vgrpo.__doc__)
+    lines = launch_lines()   # a pattern that stopped matching would pass every line's test vacuously
+    assert sum(where == "README.md" for where, _ in lines) >= 6 and len(lines) >= 12, lines
 
 
 @pytest.mark.parametrize("where,line", launch_lines())
@@ -64,9 +71,11 @@ def test_every_launch_line_validates_for_its_world_size(where, line, tmp_path, m
     tokens = shlex.split(line)
     script = next(i for i, t in enumerate(tokens) if t.endswith("vgrpo.py"))
     argv = tokens[script + 1:]
+    for folder in ("prompts", "docs"):  # what the line may name from the repository, run from its root
+        shutil.copytree(os.path.join(HERE, folder), tmp_path / folder)
     monkeypatch.chdir(tmp_path)
     for flag, value in zip(argv, argv[1:]):
-        if flag in ("--prompts", "--eval-prompts"):
+        if flag in ("--prompts", "--eval-prompts") and not (tmp_path / value).exists():
             (tmp_path / value).write_text("a prompt\nanother prompt\n")
     args = vgrpo.parse_args(argv)
     vgrpo.validate(args, world_size(tokens[:script]))

@@ -525,17 +525,20 @@ def sample_ode(velocity, noise, sigmas, sampler="dpmpp2m"):
 
 
 class Family:
-    """What SD3 and FLUX share: prompt embeddings cached per prompt (text encoders offloaded to the CPU
-    between uses), mixed-precision forward passes, LoRA saving in the pipeline's own format."""
+    """What SD3 and FLUX share: prompt embeddings encoded once at start (or, when they would not fit, cached per
+    prompt with the text encoders offloaded to the CPU between uses), mixed-precision forward passes, LoRA saving
+    in the pipeline's own format."""
 
     cfg = True  # does --guidance mean classifier-free guidance (two passes)? FLUX feeds it to an embedding
-    cache_bytes = 2 << 30  # embeddings kept per prompt (FLUX's 512 T5 tokens: 4 MB each in bf16), oldest dropped
+    cache_bytes = 2 << 30  # on-demand embeddings kept per prompt (FLUX's 512 T5 tokens: 4 MB each in bf16)
+    store_bytes = 8 << 30  # host memory for the embeddings of every prompt, encoded at start (SD3: 2.7 MB each)
 
     def __init__(self, pipe, resolution, max_sequence_length, device, amp_dtype=None, offload_text_encoders=False):
         self.pipe, self.device, self.max_sequence_length = pipe, device, max_sequence_length
         self.transformer, self.resolution = pipe.transformer, resolution
         self.amp_dtype, self.offload = amp_dtype, offload_text_encoders
         self._cache = collections.OrderedDict()  # prompt -> embeddings, on the CPU when the encoders are offloaded
+        self._store, self._stored = None, None    # prompt -> row of the stacked embeddings encoded at start
 
     def autocast(self):
         """bf16/fp16 matmuls for the transformer; the surrogate and the loss are computed in float32."""
@@ -548,18 +551,60 @@ class Family:
         return [getattr(self.pipe, n) for n in names if getattr(self.pipe, n, None) is not None]
 
     @torch.no_grad()
+    def encode_all(self, prompts, path, write=True, batch_size=32):
+        """Encode every prompt the run will meet once, at start, batch_size at a time, into an embedding store that
+        `encode` then reads: no iteration ever moves the text encoders (T5-XXL and two CLIPs: ~11 GB in bf16) to
+        the device and back. The store is saved at `path` (by the rank with write=True) keyed by the encoders'
+        weights and the prompts, so a resumed run reads it back. With the encoders offloaded (CUDA) they are then
+        freed. Returns False, changing nothing, when the store would not fit in store_bytes of host memory."""
+        unique = list(dict.fromkeys(prompts))
+        weights = torch.stack([p.detach().double().sum() for enc in self.text_encoders() for p in enc.parameters()])
+        key = f"{type(self).__name__} {self.max_sequence_length} {weights.sum().item():.17g} {weights.numel()}"
+        saved = torch.load(path, weights_only=True) if os.path.isfile(path) else {}
+        if saved.get("key") == key and saved["prompts"] == unique:
+            stored = saved["embeddings"]
+        else:
+            self.move_text_encoders(self.device)
+            first = self.encode_texts(unique[:1])
+            if sum(t[0].numel() * t.element_size() for t in first) * len(unique) > self.store_bytes:
+                self.move_text_encoders("cpu" if self.offload else self.device)
+                return False
+            chunks = [self.encode_texts(unique[i:i + batch_size]) for i in range(0, len(unique), batch_size)]
+            stored = [torch.cat([chunk[k] for chunk in chunks]).cpu() for k in range(len(first))]
+            if write:
+                torch.save({"key": key, "prompts": unique, "embeddings": stored}, path + ".tmp")
+                os.replace(path + ".tmp", path)
+        pin = self.device.type == "cuda"  # pinned host memory: the per-iteration copies run asynchronously
+        self._stored = [t.pin_memory() if pin else t.to(self.device) for t in stored]
+        self._store = {p: i for i, p in enumerate(unique)}
+        if self.offload:  # only the store is read from now on
+            for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+                setattr(self.pipe, name, None)
+        return True
+
+    def move_text_encoders(self, device):
+        for enc in self.text_encoders():
+            enc.to(device)
+
+    @torch.no_grad()
     def encode(self, prompts):
-        """Prompt embeddings, one prompt at a time (cached), so results never depend on batch composition."""
+        """Prompt embeddings: rows of the store encode_all made, or else one prompt at a time (cached), so
+        results never depend on batch composition."""
+        if self._store is not None:
+            missing = [p for p in prompts if p not in self._store]
+            if missing and not self.text_encoders():
+                raise FatalError(f"prompt {missing[0]!r} is not in the embedding store encoded at start")
+            if not missing:
+                rows = torch.tensor([self._store[p] for p in prompts])
+                return tuple(t[rows].to(self.device, non_blocking=True) for t in self._stored)
         missing = [p for p in dict.fromkeys(prompts) if p not in self._cache]
         if missing and self.offload:
-            for enc in self.text_encoders():
-                enc.to(self.device)
+            self.move_text_encoders(self.device)
         store = torch.device("cpu") if self.offload else self.device
         for p in missing:
-            self._cache[p] = tuple(t.to(store) for t in self.encode_one(p))
+            self._cache[p] = tuple(t[0].to(store) for t in self.encode_texts([p]))
         if missing and self.offload:
-            for enc in self.text_encoders():
-                enc.to("cpu")
+            self.move_text_encoders("cpu")
         wanted = dict.fromkeys(prompts)
         for p in wanted:
             self._cache.move_to_end(p)  # least recently used first
@@ -607,11 +652,11 @@ class SD3Family(Family):
     def sigma_grid(self, steps):
         return self.scheduler_grid(steps)
 
-    def encode_one(self, prompt):
-        emb, _, pooled, _ = self.pipe.encode_prompt(prompt, None, None, device=self.device, num_images_per_prompt=1,
+    def encode_texts(self, prompts):
+        emb, _, pooled, _ = self.pipe.encode_prompt(prompts, None, None, device=self.device, num_images_per_prompt=1,
                                                     do_classifier_free_guidance=False,
                                                     max_sequence_length=self.max_sequence_length)
-        return emb[0], pooled[0]
+        return emb, pooled
 
     def velocity(self, model, x, sigma, cond):
         emb, pooled = cond
@@ -652,10 +697,10 @@ class FluxFamily(Family):
 
         return self.scheduler_grid(steps, sigmas=np.linspace(1.0, 1 / steps, steps))
 
-    def encode_one(self, prompt):
-        emb, pooled, _ = self.pipe.encode_prompt(prompt, None, device=self.device, num_images_per_prompt=1,
+    def encode_texts(self, prompts):
+        emb, pooled, _ = self.pipe.encode_prompt(prompts, None, device=self.device, num_images_per_prompt=1,
                                                  max_sequence_length=self.max_sequence_length)
-        return emb[0], pooled[0]
+        return emb, pooled
 
     def velocity(self, model, x, sigma, cond):
         emb, pooled = cond
@@ -1280,11 +1325,16 @@ def build_run(args, rank, world, device):
     prompts, metadata = load_prompts(args.prompts)
     eval_prompts, eval_metadata = load_prompts(args.eval_prompts) if args.eval_every else (None, None)
     family = load_family(args, device)
+    # every prompt the run will meet, the empty one for CFG too, encoded once (the store is reused on resume)
+    family.encode_all(prompts + (eval_prompts or []) + [""], os.path.join(args.output_dir, "embeddings.pt"),
+                      write=rank == 0)
     try:
-        reward_fn = rewards_lib.load_reward(args.reward, device)
+        # the reward models in the mixed-precision dtype on a GPU; float32 on the CPU (slow bf16 kernels there)
+        reward_dtype = AMP_DTYPES[args.mixed_precision] if device.type == "cuda" else None
+        reward_fn = rewards_lib.load_reward(args.reward, device, reward_dtype)
         eval_spec = args.eval_rewards or args.reward  # the same spec: share the loaded models, not a second copy
         eval_reward_fn = None if not args.eval_every else reward_fn if eval_spec == args.reward else \
-            rewards_lib.load_reward(eval_spec, device)
+            rewards_lib.load_reward(eval_spec, device, reward_dtype)
     except rewards_lib.RewardError as e:
         raise UsageError(str(e)) from None
     params = add_trainable_weights(family, args)
@@ -1526,7 +1576,12 @@ def main(argv=None):
         summarize(args.output_dir, history)
     if ddp:
         dist.barrier()
-        dist.destroy_process_group()
+        # Leave without tearing the process group down: freeing DDP's reducer drops the last reference to the gloo
+        # group, whose destructor joins a worker thread that needs the GIL the destructor holds (seen with 8 CPU
+        # processes). Everything is written and flushed; torchrun only reads the exit code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

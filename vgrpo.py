@@ -107,6 +107,8 @@ class Args:
     lora_rank: int = arg(32, "LoRA rank (ignored with --full-finetune)")
     lora_alpha: float = arg(64.0, "LoRA alpha")
     full_finetune: bool = arg(None, "train every transformer weight instead of LoRA (default: on for the tiny models only)")
+    fsdp: bool = arg(False, "shard weights, gradients and AdamW states over the processes with FSDP2 (each block, then "
+                            "the root): full fine-tuning of FLUX.1-dev; under torchrun, bf16 or float32")
     mixed_precision: str = arg(None, "bf16, fp16 or no: dtype of the transformer's matmuls (and of frozen weights); "
                                      "the surrogate, the loss, trained weights and AdamW stay float32 (bf16 for real "
                                      "models, no for the tiny ones)")
@@ -222,7 +224,7 @@ class UsageError(FatalError):
 
 
 # checkpoint settings that must match to resume; everything else may change (a curriculum changes rewards)
-RESUME_MUST_MATCH = ("model", "full_finetune", "lora_rank", "lora_alpha", "resolution")
+RESUME_MUST_MATCH = ("model", "full_finetune", "lora_rank", "lora_alpha", "resolution", "fsdp")
 
 
 SAMPLERS = ("dpmpp2m", "euler")
@@ -271,6 +273,9 @@ def validate(args, world_size):
     local_minibatch = args.prompts_per_step // world_size * args.group_size // args.inner_steps
     if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
         args.micro_batch = math.gcd(local_minibatch, 16 if is_tiny(args.model) else 4)
+    if args.fsdp and ("RANK" not in os.environ or args.mixed_precision == "fp16"):
+        raise UsageError("--fsdp shards over torchrun's processes (launch with torchrun) and computes in bf16 or "
+                         "float32 (fp16's loss scaler is not sharded)")
     if args.sample_batch < 1:
         raise UsageError(f"--sample-batch must be at least 1, got {args.sample_batch}")
     if args.micro_batch < 1 or local_minibatch % args.micro_batch:
@@ -641,6 +646,9 @@ class Family:
 class SD3Family(Family):
     """Stable Diffusion 3 / 3.5 (MMDiT, two CLIP encoders and optionally T5). Latents (C, h, w)."""
 
+    def blocks(self):  # the units FSDP shards
+        return list(self.transformer.transformer_blocks)
+
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
     def __init__(self, pipe, resolution, max_sequence_length, device, **kw):
@@ -678,6 +686,10 @@ class FluxFamily(Family):
     embedding in a single pass (no CFG). Its schedule is linspace(1, 1/S, S) shifted by a resolution-dependent mu."""
 
     cfg = False
+
+    def blocks(self):
+        return [*self.transformer.transformer_blocks, *self.transformer.single_transformer_blocks]
+
     # every linear layer inside the blocks: attention of both streams, the double blocks' feed-forwards, the
     # single blocks' fused MLP (proj_mlp in, proj_out out); not the model's own input / output layers
     lora_targets = (r".*blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
@@ -952,6 +964,16 @@ def old_surrogate(family, model, batch, args, n_prompts, from_step=1):
     return s_old, x0_old
 
 
+def gradient_sync(model, enabled):
+    """DDP and FSDP2 average (or reduce-scatter) gradients over ranks during backward; with accumulation over
+    micro-batches only the last of a step should."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+    elif hasattr(model, "no_sync") and not enabled:  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
 def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None):
     """--inner-steps optimizer steps on the clipped surrogate objective; returns averaged stats.
     batch: o, cond, A, sigmas, eps, and s_old / x0_old (old_surrogate) for the minibatches after the first.
@@ -965,8 +987,7 @@ def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None
     skipped = 0
     for i, (k, idx) in enumerate(chunks):
         last_of_step = i + 1 == len(chunks) or chunks[i + 1][0] != k
-        # DDP averages gradients over ranks only on the last micro-batch of a step
-        with model.no_sync() if hasattr(model, "no_sync") and not last_of_step else contextlib.nullcontext():
+        with gradient_sync(model, last_of_step):
             s_new, x0_new = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
                                       take(batch["cond"], idx), args.weighting)
             if k == 0:  # no step taken yet: the old policy is the current one, and this forward is its value
@@ -985,6 +1006,7 @@ def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None
             if scaler:
                 scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
             stats["grad_norm"].append(grad_norm.detach())
             if scaler:  # an fp16 overflow only lowers the loss scale; a non-finite loss is a bad step
                 scaler.step(optimizer)
@@ -1072,29 +1094,64 @@ def reduce_stats(stats, world, device):
 # --------------------------------------------------------------------------- checkpoints and pictures
 
 
-def save_checkpoint(output_dir, iteration, family, optimizer, args, scaler=None):
-    """OUTPUT/checkpoint-N/: LoRA (pytorch_lora_weights.safetensors, loadable by pipe.load_lora_weights)
-    or the full transformer, the optimizer state and the step. Written to a .tmp folder, then renamed."""
-    if not all(torch.isfinite(p).all() for p in family.transformer.parameters()):
-        raise FatalError(f"refusing to save non-finite weights at iteration {iteration}")
-    final = os.path.join(output_dir, f"checkpoint-{iteration}")
+def trained_weights(run):
+    """The trained weights as full CPU tensors on rank 0 ({} elsewhere): the LoRA's, or every weight and buffer
+    with full fine-tuning. Under FSDP every rank takes part and each sharded tensor is gathered alone, so no
+    second full copy of the model is ever held on a GPU."""
+    full = {}
+    for name, value in run.family.transformer.state_dict().items():
+        if not run.args.full_finetune and "lora_" not in name:
+            continue
+        if hasattr(value, "full_tensor"):  # a DTensor shard: gathered from every rank
+            value = value.full_tensor()
+        if run.rank == 0:
+            full[name] = value.detach().cpu()
+    return full
+
+
+def save_checkpoint(run, iteration):
+    """OUTPUT/checkpoint-N/: LoRA (pytorch_lora_weights.safetensors, loadable by pipe.load_lora_weights) or the
+    full transformer (transformer/, loadable by from_pretrained), the optimizer state (optimizer.pt, or one shard
+    per rank under optimizer/ with FSDP) and the step. Every rank calls it; rank 0 writes all but the optimizer
+    shards. Written to a .tmp folder, then renamed, so a save cut short is never taken for a checkpoint."""
+    args, family, master = run.args, run.family, run.rank == 0
+    final = os.path.join(args.output_dir, f"checkpoint-{iteration}")
     tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    if args.full_finetune:
-        family.transformer.save_pretrained(os.path.join(tmp, "transformer"))
-    else:
+    if master:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    weights = trained_weights(run)
+    if master and not all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()):
+        raise FatalError(f"refusing to save non-finite weights at iteration {iteration}")
+    if master and args.full_finetune:
+        from huggingface_hub import save_torch_state_dict
+
+        family.transformer.save_config(os.path.join(tmp, "transformer"))
+        save_torch_state_dict(weights, os.path.join(tmp, "transformer"), max_shard_size="10GB",
+                              filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+    elif master:
         from peft.utils import get_peft_model_state_dict
 
-        family.save_lora(tmp, get_peft_model_state_dict(family.transformer),
+        family.save_lora(tmp, get_peft_model_state_dict(family.transformer, state_dict=weights),
                          family.transformer.peft_config["default"].to_dict())
-    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    if scaler is not None:  # fp16's loss scale: part of the state a resumed run must continue from
-        torch.save(scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
+    if args.fsdp:  # each rank writes its own shard of the AdamW states (torch.distributed.checkpoint)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if run.world > 1:
+            dist.barrier()  # the folder exists before anyone writes into it
+        dcp.save(get_optimizer_state_dict(run.model, run.optimizer), checkpoint_id=os.path.join(tmp, "optimizer"))
+    elif master:
+        torch.save(run.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    if not master:
+        return final
+    if run.scaler is not None:  # fp16's loss scale: part of the state a resumed run must continue from
+        torch.save(run.scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
     with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump({"iteration": iteration, "args": dataclasses.asdict(args)}, f, indent=1)
+        json.dump({"iteration": iteration, "args": dataclasses.asdict(args), "world_size": run.world}, f, indent=1)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    prune_checkpoints(args.output_dir, args.keep_last)
     return final
 
 
@@ -1118,8 +1175,8 @@ def prune_checkpoints(output_dir, keep_last):
         shutil.rmtree(path)
 
 
-def load_checkpoint(directory, family, optimizer, args, device, scaler=None):
-    """Restore weights and optimizer from save_checkpoint's folder; returns the iteration to start at."""
+def load_trained_weights(directory, family, args):
+    """Restore the trained weights from save_checkpoint's folder, before any wrapping; -> the iteration saved."""
     from safetensors.torch import load_file
 
     if args.full_finetune:
@@ -1135,11 +1192,25 @@ def load_checkpoint(directory, family, optimizer, args, device, scaler=None):
         result = set_peft_model_state_dict(family.transformer, state)
         if getattr(result, "unexpected_keys", None):
             raise UsageError(f"--resume {directory}: LoRA does not fit this model ({result.unexpected_keys[0]}, ...)")
-    optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), map_location=device, weights_only=True))
-    if scaler is not None and os.path.isfile(os.path.join(directory, "scaler.pt")):
-        scaler.load_state_dict(torch.load(os.path.join(directory, "scaler.pt"), weights_only=True))
     with open(os.path.join(directory, "state.json")) as f:
         return json.load(f)["iteration"]
+
+
+def load_training_state(directory, run):
+    """Restore AdamW (and fp16's loss scale) into the optimizer built over the wrapped model. FSDP's sharded
+    states are resharded by torch.distributed.checkpoint, so a resume may use another number of processes."""
+    if run.args.fsdp:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = get_optimizer_state_dict(run.model, run.optimizer)
+        dcp.load(state, checkpoint_id=os.path.join(directory, "optimizer"))
+        set_optimizer_state_dict(run.model, run.optimizer, state)
+    else:
+        run.optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), map_location=run.device,
+                                                 weights_only=True))
+    if run.scaler is not None and os.path.isfile(os.path.join(directory, "scaler.pt")):
+        run.scaler.load_state_dict(torch.load(os.path.join(directory, "scaler.pt"), weights_only=True))
 
 
 def save_sample_grid(path, images, prompts, rewards, group_size, max_groups=4, max_members=8):
@@ -1282,6 +1353,11 @@ def evaluate(run, it):
         sums += torch.tensor([*(fn.last_parts[n].double().sum() for n in names), total.double().sum(), len(chunk)])
         if sum(len(x[1]) for x in shown) < 4 * args.eval_images:  # the first 4 prompts' images for the picture
             shown.append((images.cpu(), prompts, total))
+    if args.fsdp:  # FSDP gathers weights in every forward: each rank runs as many passes as the busiest one
+        busiest = math.ceil(len(run.eval_prompts) / run.world) * args.eval_images
+        for _ in range(math.ceil(len(mine) / args.sample_batch), math.ceil(busiest / args.sample_batch)):
+            rollout(family, family.transformer, family.encode(run.eval_prompts[:1]),
+                    torch.zeros(1, *family.latent_shape, device=run.device), run.sigmas, args, run.negative)
     if run.world > 1:
         sums = sums.to(run.device)
         dist.all_reduce(sums)
@@ -1309,8 +1385,17 @@ def iteration_metrics(run, it, stats, r, A):
          "adv_mean": A_all.mean().item(), "adv_std": A_all.std(unbiased=False).item(),
          "adv_abs_max": A_all.abs().max().item()}
     m.update(reduce_stats(stats, run.world, run.device))
+    m["state_mb"] = state_bytes(run) / 2**20
     m["time_total"] = sum(m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update"))
     return m
+
+
+def state_bytes(run):
+    """This process's bytes of transformer weights and AdamW states: the local shards under FSDP."""
+    local = [getattr(p, "_local_tensor", p) for p in run.family.transformer.parameters()]
+    local += [getattr(t, "_local_tensor", t) for s in run.optimizer.state.values() for t in s.values()
+              if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def log_line(m, total):
@@ -1337,22 +1422,42 @@ def build_run(args, rank, world, device):
             rewards_lib.load_reward(eval_spec, device, reward_dtype)
     except rewards_lib.RewardError as e:
         raise UsageError(str(e)) from None
-    params = add_trainable_weights(family, args)
+    add_trainable_weights(family, args)
+    start = load_trained_weights(args.resume, family, args) if args.resume else 0
+    check_ranks_agree(args, family.transformer, world, device)  # before the wrap, which would hide a difference
+    model = wrap_for_training(family, args, world, device)
+    params = [p for p in family.transformer.parameters() if p.requires_grad]  # after sharding: the local shards
     # fused on CUDA: one kernel for all parameters instead of a few per tensor (LoRA on SD3.5-M: ~600 tensors)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type) if args.mixed_precision == "fp16" else None
-    start = load_checkpoint(args.resume, family, optimizer, args, device, scaler) if args.resume else 0
-    check_ranks_agree(args, family.transformer, world, device)
-    model = family.transformer
-    if world > 1:  # after the check: the wrap broadcasts rank 0's weights, which would hide a difference
-        # no buffer broadcast at every step (SD3's positional embedding is a 453 MB buffer, equal on every rank);
-        # gradients as views into DDP's buckets: no second copy of them (9 GB of SD3.5-M's with full fine-tuning)
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                                          broadcast_buffers=False, gradient_as_bucket_view=True)
     negative = family.encode([""]) if family.cfg and args.guidance > 1 else None
     run = Run(args, family, model, optimizer, params, reward_fn, prompts, metadata, family.sigma_grid(args.sample_steps),
               negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn)
+    if args.resume:
+        load_training_state(args.resume, run)
     return run, start
+
+
+def wrap_for_training(family, args, world, device):
+    """DDP (every rank holds every weight, gradients averaged) or, with --fsdp, FSDP2: each transformer block
+    sharded over the ranks, then the root, so weights, gradients and AdamW states take 1/world of the memory.
+    Returns the module the update calls; rollouts call family.transformer, the same module under FSDP2."""
+    if args.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        amp = AMP_DTYPES[args.mixed_precision]
+        # compute in the mixed-precision dtype, reduce gradients in float32 into float32 master weights
+        policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
+        for block in family.blocks():
+            fully_shard(block, mp_policy=policy)
+        return fully_shard(family.transformer, mp_policy=policy)
+    if world == 1:
+        return family.transformer
+    # no buffer broadcast at every step (SD3's positional embedding is a 453 MB buffer, equal on every rank);
+    # gradients as views into DDP's buckets: no second copy of them (9 GB of SD3.5-M's with full fine-tuning)
+    return torch.nn.parallel.DistributedDataParallel(family.transformer, broadcast_buffers=False,
+                                                     device_ids=[device] if device.type == "cuda" else None,
+                                                     gradient_as_bucket_view=True)
 
 
 def describe(run, start):
@@ -1470,7 +1575,7 @@ def install_stop_handlers():
 
 
 def record(run, it, m, images, prompts, r, first, last):
-    """Rank 0 after iteration it: the metrics line, the progress line, pictures, curves and checkpoints."""
+    """Rank 0 after iteration it: the metrics line, the progress line, pictures and curves."""
     args = run.args
     with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(m) + "\n")
@@ -1480,9 +1585,6 @@ def record(run, it, m, images, prompts, r, first, last):
                          images, prompts, r.cpu(), args.group_size)
     if (it + 1) % args.sample_every == 0 or last:
         write_curves(args.output_dir)
-    if (it + 1) % args.save_every == 0 or last:
-        save_checkpoint(args.output_dir, it + 1, run.family, run.optimizer, args, run.scaler)
-        prune_checkpoints(args.output_dir, args.keep_last)
 
 
 def summarize(output_dir, history):
@@ -1515,6 +1617,8 @@ def quiet_libraries():
     diffusers.utils.logging.set_verbosity_error()  # per-prompt truncation notices would drown the log
     transformers.utils.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # bf16 norms on CPU
+    # FSDP2 warns that the transformer returns a view; nothing here modifies a model output in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 def announce(args):
@@ -1560,6 +1664,8 @@ def main(argv=None):
         if master:
             record(run, it, m, images, prompts, r, first=it == start, last=last)
         del images  # the next rollout should not have to fit beside this one's pictures
+        if (it + 1) % args.save_every == 0 or last:
+            save_checkpoint(run, it + 1)  # every rank: FSDP gathers the weights and writes sharded AdamW states
         if args.eval_every and ((it + 1) % args.eval_every == 0 or it + 1 == args.iterations):
             log_evaluation(run, it + 1)
         if ddp:

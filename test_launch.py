@@ -230,3 +230,65 @@ def test_ranks_whose_model_files_differ_refuse_to_start(hub_cache, hub_cache_oth
     assert result.returncode != 0
     assert "rank 1 starts from different weights than rank 0" in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- trackers
+
+
+def wandb_history(run_dir):
+    """The history rows of an offline W&B run, read from its .wandb file (a log of 32 KiB blocks whose records,
+    split into chunks with a 7-byte header each, are protobuf Records), as {step: {key: value}}."""
+    import glob
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    with open(glob.glob(os.path.join(run_dir, "run-*.wandb"))[0], "rb") as f:
+        data = f.read()
+    rows, pos, chunk, block = {}, 7, b"", 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:           # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):                    # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            if record.WhichOneof("record_type") == "history":
+                row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+                rows.setdefault(row.get("_step"), {}).update(row)
+    return rows
+
+
+@pytest.mark.slow
+def test_report_to_tensorboard_and_wandb_writes_what_metrics_jsonl_has(tmp_path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    (tmp_path / "eval.txt").write_text("a red cube\na blue sphere\n")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "vgrpo.py"), "--iterations", "2", "--sample-steps", "4",
+                        "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", tmp_path / "eval.txt",
+                        "--eval-every", "2", "--report-to", "tensorboard,wandb", "--output-dir", out],
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+                            "WANDB_SILENT": "true"}, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    logged = read_jsonl(out / "metrics.jsonl")
+    evaluated = read_jsonl(out / "eval.jsonl")
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0}).Reload()
+    for key in ("reward_mean", "grad_norm", "policy_loss"):
+        assert [(e.step, e.value) for e in events.Scalars(key)] == \
+            [(m["iteration"], pytest.approx(m[key], rel=1e-6)) for m in logged]
+    assert [(e.step, e.value) for e in events.Scalars("eval_jpeg")] == \
+        [(m["iteration"], pytest.approx(m["eval_jpeg"], rel=1e-6)) for m in evaluated]   # before training and at 2
+    assert [e.step for e in events.Images("samples")] == [1, 2] and events.Images("eval_samples")
+    assert "--group-size 4" in events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    run_dir = next((out / "wandb").glob("offline-run-*"))
+    history = wandb_history(run_dir)
+    for m in logged:
+        assert history[m["iteration"]]["reward_mean"] == pytest.approx(m["reward_mean"], rel=1e-6)
+    assert history[0]["eval_jpeg"] == pytest.approx(evaluated[0]["eval_jpeg"], rel=1e-6)
+    assert len(list((run_dir / "files" / "media" / "images").glob("samples_*.png"))) == 2

@@ -42,6 +42,7 @@ import copy
 import dataclasses
 import datetime
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -128,6 +129,8 @@ class Args:
     eval_every: int = arg(0, "evaluate every N iterations, before training and at the end (0: never)")
     eval_rewards: str = arg("", "reward spec of the evaluation, may differ from --reward (default: --reward's rewards)")
     eval_images: int = arg(2, "images per evaluation prompt")
+    report_to: str = arg("", "also log to tensorboard, wandb or both (tensorboard,wandb); metrics.jsonl is always "
+                             "written. wandb works offline with WANDB_MODE=offline")
     device: str = arg("auto", "auto, cpu, cuda")
 
     def __post_init__(self):
@@ -256,6 +259,12 @@ def validate(args, world_size):
     if args.reward_advantage not in ("sum", "per-reward"):
         raise UsageError(f"unknown --reward-advantage '{args.reward_advantage}': valid choices are sum, per-reward")
     check_reward_specs(args)
+    for name in filter(None, args.report_to.split(",")):
+        package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(name)
+        if package is None:
+            raise UsageError(f"unknown --report-to '{name}': valid choices are tensorboard, wandb")
+        if importlib.util.find_spec(package) is None:
+            raise UsageError(f"--report-to {name} needs the {package} package: pip install {package}")
     for name in ("sample_steps", "iterations", "prompts_per_step", "n_mc", "inner_steps", "save_every", "sample_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -1256,6 +1265,7 @@ class Run:
     eval_prompts: list = None        # held-out prompts, their metadata and the evaluation's reward
     eval_metadata: list = None
     eval_reward_fn: object = None
+    trackers: object = None          # Trackers on rank 0 with --report-to
 
     @property
     def n_prompts(self):
@@ -1392,9 +1402,9 @@ def iteration_metrics(run, it, stats, r, A):
 
 def state_bytes(run):
     """This process's bytes of transformer weights and AdamW states: the local shards under FSDP."""
-    local = [getattr(p, "_local_tensor", p) for p in run.family.transformer.parameters()]
-    local += [getattr(t, "_local_tensor", t) for s in run.optimizer.state.values() for t in s.values()
-              if torch.is_tensor(t)]
+    tensors = [*run.family.transformer.parameters(),
+               *(t for s in run.optimizer.state.values() for t in s.values() if torch.is_tensor(t))]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # a DTensor's shard on this rank
     return sum(t.numel() * t.element_size() for t in local)
 
 
@@ -1580,9 +1590,12 @@ def record(run, it, m, images, prompts, r, first, last):
     with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(m) + "\n")
     print(log_line(m, args.iterations), flush=True)
+    grid = {}
     if first or (it + 1) % args.sample_every == 0 or last:
-        save_sample_grid(os.path.join(args.output_dir, "samples", f"iter-{it + 1:05d}.png"),
-                         images, prompts, r.cpu(), args.group_size)
+        grid["samples"] = os.path.join(args.output_dir, "samples", f"iter-{it + 1:05d}.png")
+        save_sample_grid(grid["samples"], images, prompts, r.cpu(), args.group_size)
+    if run.trackers:
+        run.trackers.log(m, it + 1, images=grid)
     if (it + 1) % args.sample_every == 0 or last:
         write_curves(args.output_dir)
 
@@ -1605,9 +1618,54 @@ def log_evaluation(run, it):
             f.write(json.dumps(m) + "\n")
         print(f"eval {it:5d}/{run.args.iterations} | " + " | ".join(f"{k.removeprefix('eval_')} {v:+.5f}"
               for k, v in m.items() if k != "iteration"), flush=True)
+        path = os.path.join(run.args.output_dir, "samples", f"eval-{it:05d}.png")
         if images is not None:
-            save_sample_grid(os.path.join(run.args.output_dir, "samples", f"eval-{it:05d}.png"), images, prompts,
-                             r, run.args.eval_images)
+            save_sample_grid(path, images, prompts, r, run.args.eval_images)
+        if run.trackers:
+            run.trackers.log(m, it, images={"eval_samples": path} if images is not None else {})
+
+
+class Trackers:
+    """--report-to: each iteration's and evaluation's metrics, the sample grids and the resolved configuration, also
+    sent to TensorBoard (OUTPUT/tensorboard) and / or Weights & Biases (OUTPUT/wandb; project from WANDB_PROJECT,
+    default vgrpo). Rank 0 only; metrics.jsonl stays the record a resume trims and the plots read."""
+
+    def __init__(self, args):
+        names = args.report_to.split(",")
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(os.path.join(args.output_dir, "tensorboard"))
+            self.tensorboard.add_text("config", command_line(args))
+        if "wandb" in names:
+            import wandb
+
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "vgrpo"), dir=args.output_dir,
+                                    name=os.path.basename(os.path.abspath(args.output_dir)),
+                                    config=dataclasses.asdict(args))
+
+    def log(self, metrics, step, images=None):
+        scalars = {k: v for k, v in metrics.items() if k != "iteration" and math.isfinite(v)}
+        if self.tensorboard:
+            import numpy as np
+            from PIL import Image
+
+            for name, value in scalars.items():
+                self.tensorboard.add_scalar(name, value, step)
+            for name, path in (images or {}).items():
+                self.tensorboard.add_image(name, np.asarray(Image.open(path)), step, dataformats="HWC")
+            self.tensorboard.flush()
+        if self.wandb:
+            import wandb
+
+            self.wandb.log({**scalars, **{name: wandb.Image(path) for name, path in (images or {}).items()}}, step=step)
+
+    def close(self):
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
 def quiet_libraries():
@@ -1647,6 +1705,8 @@ def main(argv=None):
     if master:
         announce(args)
     run, start = build_run(args, rank, world, device)
+    if master and args.report_to:
+        run.trackers = Trackers(args)
     if master:
         print(describe(run, start), flush=True)
         for name in ("metrics.jsonl", "eval.jsonl"):
@@ -1680,6 +1740,8 @@ def main(argv=None):
             break
     if master:
         summarize(args.output_dir, history)
+        if run.trackers:
+            run.trackers.close()
     if ddp:
         dist.barrier()
         # Leave without tearing the process group down: freeing DDP's reducer drops the last reference to the gloo

@@ -1,5 +1,6 @@
-"""Tests of the benchmark (bench/): the MDP baseline's pieces against independent formulas, and
-`python bench/run.py --quick` run as a user would, its outputs checked.
+"""Tests of the benchmark (bench/): the pieces of the MDP, DiffusionNFT and MixGRPO baselines against independent
+formulas, the headline table's arithmetic on made-up curves, and `python bench/run.py --quick` run as a user
+would, its outputs checked.
 
     python -m pytest test_bench.py -q
 """
@@ -17,6 +18,9 @@ sys.path.insert(0, os.path.join(HERE, "bench"))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
 import mdp_baseline as mdp  # noqa: E402
+import mixgrpo_baseline as mix  # noqa: E402
+import nft_baseline as nft  # noqa: E402
+import run as bench_run  # noqa: E402
 
 
 @pytest.mark.parametrize("a", [0.0, 0.7, 1.5])
@@ -68,12 +72,166 @@ def test_train_steps_are_distinct_per_sample():
     assert steps.min() >= 0 and steps.max() < 10
 
 
+# --------------------------------------------------------------------------- DiffusionNFT
+
+
+def test_optimality_probability_by_hand():
+    # group (1, 2, 3, 6): mean 3, population std sqrt(3.5); z = (-2, -1, 0, 3) / 1.8708 -> clipped to [-1, 1]
+    r = nft.optimality_probability(torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0]), 4)
+    z1 = -1 / math.sqrt(3.5)
+    expected = [0.0, 0.5 + 0.5 * z1, 0.5, 1.0, 0.5, 0.5, 0.5, 0.5]   # an all-equal group carries no signal: 1/2
+    assert r.tolist() == pytest.approx(expected, abs=1e-4)
+
+
+def test_implicit_policies_by_hand():
+    v_pos, v_neg = nft.implicit_policies(torch.tensor([1.0]), torch.tensor([3.0]), beta=0.5)
+    assert v_pos.item() == pytest.approx(0.5 * 1 + 0.5 * 3) and v_neg.item() == pytest.approx(1.5 * 1 - 0.5 * 3)
+
+
+@pytest.mark.parametrize("weighting, expected", [
+    # v = eps - o = (0.8, 0.9); v+ = v_theta = (1.0, 0.6), v- = 2 v_old - v_theta = (0.0, 1.4)
+    ("none", 0.75 * (0.2 ** 2 + 0.3 ** 2) / 2 + 0.25 * (0.8 ** 2 + 0.5 ** 2) / 2),
+    # x0 errors are -sigma (v_hat - v): (-0.1, 0.15) and (0.4, -0.25); each MSE over its mean |error|
+    ("adaptive", 0.75 * (0.01 + 0.0225) / 2 / 0.125 + 0.25 * (0.16 + 0.0625) / 2 / 0.325),
+])
+def test_nft_loss_by_hand(weighting, expected):
+    o, eps, sigma = torch.tensor([[0.2, -0.4]]), torch.tensor([[1.0, 0.5]]), torch.tensor([0.5])
+    x_t = (1 - 0.5) * o + 0.5 * eps
+    loss, _ = nft.nft_loss(torch.tensor([[1.0, 0.6]]), torch.tensor([[0.5, 1.0]]), x_t, o, sigma,
+                           torch.tensor([0.75]), beta=1.0, weighting=weighting)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.3])
+@pytest.mark.parametrize("r", [0.1, 0.5, 0.9])
+def test_nft_loss_is_minimal_at_the_papers_optimum(beta, r):
+    """With the plain flow-matching weighting the loss is a quadratic in v_theta whose minimiser is
+    v_old + (2 r - 1) (v - v_old) / beta (the paper's improvement direction): the gradient vanishes there (a wrong
+    sign or a swapped branch moves the minimiser), and its curvature is 2 beta^2 / (rows x dims) whatever r."""
+    g = torch.Generator().manual_seed(0)
+    o, eps, v_old = (torch.randn(3, 2, 4, 4, generator=g) for _ in range(3))
+    sigma = torch.tensor([0.3, 0.6, 0.9])
+    x_t = (1 - sigma.view(-1, 1, 1, 1)) * o + sigma.view(-1, 1, 1, 1) * eps
+    optimum = v_old + (2 * r - 1) * ((eps - o) - v_old) / beta
+
+    def grad_at(v):
+        v = v.clone().requires_grad_(True)
+        nft.nft_loss(v, v_old, x_t, o, sigma, torch.full((3,), r), beta, weighting="none")[0].backward()
+        return v.grad
+
+    assert grad_at(optimum).abs().max() < 1e-6
+    assert torch.allclose(grad_at(optimum + 0.1), torch.full_like(o, 2 * beta ** 2 * 0.1 / (3 * 32)), rtol=1e-3)
+
+
+def test_nft_on_policy_gradient_is_beta_times_the_signed_flow_matching_error():
+    """At v_theta = v_old (one step per rollout) the gradient is 2 beta (2 r - 1) (v_old - v) / (rows x dims):
+    beta only scales it (the README's reason for not needing a wide beta sweep)."""
+    g = torch.Generator().manual_seed(1)
+    o, eps, v_old = (torch.randn(2, 3, 2, 2, generator=g) for _ in range(3))
+    sigma, r = torch.tensor([0.4, 0.8]), torch.tensor([0.9, 0.2])
+    x_t = (1 - sigma.view(-1, 1, 1, 1)) * o + sigma.view(-1, 1, 1, 1) * eps
+    for beta in (1.0, 0.1):
+        v = v_old.clone().requires_grad_(True)
+        nft.nft_loss(v, v_old, x_t, o, sigma, r, beta, weighting="none")[0].backward()
+        expected = 2 * beta * (2 * r - 1).view(-1, 1, 1, 1) * (v_old - (eps - o)) / (2 * 12)
+        assert torch.allclose(v.grad, expected, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- MixGRPO
+
+
+def test_window_slides_one_step_every_shift_interval_and_rolls_back():
+    # 10 steps, w = 4: starts 0..5 (the last step is never in the window), one step later every 8 iterations
+    assert mix.window(0, 10, 4, 8) == [0, 1, 2, 3] and mix.window(7, 10, 4, 8) == [0, 1, 2, 3]
+    assert mix.window(8, 10, 4, 8) == [1, 2, 3, 4] and mix.window(47, 10, 4, 8) == [5, 6, 7, 8]
+    assert mix.window(48, 10, 4, 8) == [0, 1, 2, 3]                      # rolled back after 6 positions
+    assert mix.window(3 * 8, 10, 2, 8) == [3, 4] and mix.window(8 * 8, 10, 2, 8) == [0, 1]
+    with pytest.raises(ValueError, match="window size"):
+        mix.window(0, 10, 10, 8)
+
+
+class LinearFamily:
+    """A stand-in model family whose velocity is v = 0.5 x + sigma (the model argument is ignored)."""
+
+    @staticmethod
+    def velocity(model, x, sigma, cond):
+        return 0.5 * x + torch.as_tensor(sigma, dtype=torch.float32)
+
+
+def test_mixed_rollout_is_the_euler_ode_outside_the_window_and_the_sde_inside():
+    sigmas = torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2, 0.0])
+    g = torch.Generator().manual_seed(0)
+    noise, step_noise = torch.randn(3, 2, 2, 2, generator=g), torch.randn(3, 5, 2, 2, 2, generator=g)
+    a, steps = 0.7, [2, 3]
+    states, log_probs = mix.mixed_rollout(LinearFamily, None, (torch.zeros(3, 1),), noise, step_noise, sigmas,
+                                          steps, a, micro_batch=2)
+    x = noise
+    for i in range(5):
+        t, t_next = sigmas[i].item(), sigmas[i + 1].item()
+        v = 0.5 * x + t
+        if i in steps:   # Flow-GRPO's step, written out: level a sqrt(t / (1 - t)), drift with the score term
+            level = a * math.sqrt(t / (1 - t))
+            mean = x + (v + level ** 2 / (2 * t) * (x + (1 - t) * v)) * (t_next - t)
+            std = level * math.sqrt(t - t_next)
+            x = mean + std * step_noise[:, i]
+            lp = torch.distributions.Normal(mean, std).log_prob(x).flatten(1).mean(1)
+            assert torch.allclose(log_probs[:, i], lp, atol=1e-5)
+        else:
+            x = x + (t_next - t) * v
+            assert (log_probs[:, i] == 0).all()
+        assert torch.allclose(states[:, i + 1], x, atol=1e-5), i
+    # the step noises outside the window are never used
+    other = step_noise.clone()
+    other[:, [0, 1, 4]] = 100.0
+    again, _ = mix.mixed_rollout(LinearFamily, None, (torch.zeros(3, 1),), noise, other, sigmas, steps, a, 2)
+    assert torch.equal(again, states)
+
+
+# --------------------------------------------------------------------------- the headline table
+
+
+def made_up_run(seed, curves, targets):
+    """A run file as learning.py writes it: each method trains 1 s and 224 rows per iteration."""
+    return {"seed": seed, "setup": {"iterations": 10, "eval_every": 2, "eval_dense": 0},
+            "methods": {kind: {"settings": {"kind": kind, "name": kind, "lr": 1e-3, "target_gain": targets[kind]},
+                               "eval": ev, "train": [dict(nfe=224, time_rollout=0.5, time_reward=0.1, time_old=0.0,
+                                                          time_update=0.4)] * ev[-1][0]}
+                        for kind, ev in curves.items()}}
+
+
+def test_headline_ratios_by_hand():
+    b, targets = -0.9, {"V-GRPO": 0.04, "DiffusionNFT": 0.04, "MixGRPO": 0.02}
+    runs = [made_up_run(1, {"V-GRPO": [(0, b), (2, b + 0.025), (4, b + 0.05)],       # 0.02 at 2, 0.04 at 4
+                            "DiffusionNFT": [(0, b), (4, b + 0.02), (8, b + 0.041)],   # 0.04 at 8
+                            "MixGRPO": [(0, b), (10, b + 0.01)]}, targets),             # never in 10
+            made_up_run(2, {"V-GRPO": [(0, b), (2, b + 0.04)],                          # both at 2
+                            "DiffusionNFT": [(0, b), (6, b + 0.04)],                    # 0.04 at 6
+                            "MixGRPO": [(0, b), (2, b + 0.01), (4, b + 0.02)]}, targets)]   # 0.02 at 4
+    assert bench_run.reaching(runs[0]["methods"]["DiffusionNFT"], 0.04)[0] == (8, 8 * 224, pytest.approx(8.0))
+    assert bench_run.reaching(runs[0]["methods"]["MixGRPO"], 0.02) == (None, (10, 2240, pytest.approx(10.0)))
+    sweep = {"setup": {"iterations": 4, "eval_every": 2}, "methods": {
+        k: {"settings": {"kind": k, "lr": 1e-3}, "eval": [(0, b), (2, b + 0.1)]} for k in bench_run.HEADLINE_KINDS}}
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in bench_run.headline_table(sweep, runs).splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in bench_run.HEADLINE_KINDS}
+    assert set(rows) == {"DiffusionNFT", "MixGRPO"}                     # one row per baseline, V-GRPO in each
+    # NFT at 0.04: 8 / 4 and 6 / 2 -> 2 and 3, mean 2.5 ± 0.5
+    assert rows["DiffusionNFT"][:7] == ["+0.0400", "lr 0.001, beta 1; lr 0.001", "2/2; 2/2", "8 / 6; 4 / 2",
+                                        "1,792 / 1,344; 896 / 448", "8 / 6; 4 / 2", "2.50 ± 0.50 (2.00 / 3.00)"]
+    # MixGRPO at 0.02 (V-GRPO reaches it at 2 in both seeds): > 10 / 2 (a lower bound) and 4 / 2
+    assert rows["MixGRPO"][2:4] == ["1/2; 2/2", "> 10 / 4; 2 / 2"]
+    assert rows["MixGRPO"][6] == "> 3.50 ± 1.50 (> 5.00 / 2.00)"
+    assert rows["MixGRPO"][9] == "> 3.50 ± 1.50 (> 5.00 / 2.00), x 1.00 per iteration"   # 1 s everywhere: = steps
+
+
 def test_run_quick_writes_every_result(tmp_path):
     out = tmp_path / "bench"
     p = subprocess.run([sys.executable, os.path.join(HERE, "bench", "run.py"), "--quick", "--out", str(out)],
                        env=ENV, cwd=HERE, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    for name in ("variance.md", "learning.md", "learning.png", "cost.md", "learning/jpeg-0.json", "learning/colour-0.json"):
+    for name in ("variance.md", "learning.md", "learning.png", "cost.md", "learning/jpeg-0.json",
+                 "learning/colour-0.json", "headline.md", "headline.png", "headline/sweep.json",
+                 "headline/seed-1.json"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     learning_md = (out / "learning.md").read_text()
@@ -85,6 +243,13 @@ def test_run_quick_writes_every_result(tmp_path):
         final = float(row[2].split("±")[0])
         assert math.isfinite(final) and -2 < final < 0                 # both rewards are negative, above -sqrt(3)
     assert "V-GRPO 0.0e+00" in learning_md                              # V-GRPO's first ratio is exactly 1
+    headline_md = (out / "headline.md").read_text()
+    assert (out / "headline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for kind in ("DiffusionNFT", "MixGRPO"):
+        assert headline_md.count(f"| {kind} | +") == 1, kind            # one row per baseline in the timing table
+    assert headline_md.count("| MixGRPO lr") + headline_md.count("| **MixGRPO lr") == 2   # w = 2 and w = 1 swept
+    assert headline_md.count("DiffusionNFT lr") == 2                    # beta 1 and 0.1
+    assert headline_md.count("| **") == 3                               # one chosen setting per method
     cost_md = (out / "cost.md").read_text()
     ratios = [float(c.strip().rstrip("x")) for line in cost_md.splitlines() for c in line.split("|")
               if c.strip().endswith("x") and c.strip()[:-1].replace(".", "").isdigit()]
@@ -93,6 +258,54 @@ def test_run_quick_writes_every_result(tmp_path):
     variance_md = (out / "variance.md").read_text()
     assert variance_md.count("\n| ") == 7                              # header, rule, 5 settings
     rows = {line.split("|")[1].strip(): [float(c.split("±")[0]) for c in line.split("|")[2:4]]
-            for line in variance_md.splitlines() if line.startswith("| ") and "---" not in line and "setting" not in line}
+            for line in variance_md.splitlines()
+            if line.startswith("| ") and "---" not in line and "setting" not in line}
     naive, full = rows["naive (FPO-style)"], rows["all three (V-GRPO)"]
     assert full[0] < naive[0] and full[1] < naive[1] / 3    # the reductions reduce, sharing most within groups
+
+
+@pytest.mark.slow
+def test_gpu_bench_quick_mode(tmp_path):
+    """bench/gpu.py: its real configurations have the released checkpoints' sizes (built on the meta device, no
+    memory); `--quick` (the GPU mode's code on tiny transformers, CPU) run as a user runs it times every phase of
+    both models, its tables follow from the measured seconds, and it says it did not run on a GPU; with
+    --time-limit 0 it measures nothing and says so."""
+    import json
+
+    import gpu
+
+    # bf16 files: SD3.5-M's transformer 4.94 GB (with its 384 x 384 x 1536 positional-embedding buffer), FLUX.1-dev's
+    # 23.8 GB; a wrong depth, width or number of dual-attention layers is off by more than 1%
+    for cls_name, config, size in (("SD3Transformer2DModel", gpu.SD3_CONFIG, 4.94e9),
+                                   ("FluxTransformer2DModel", gpu.FLUX_CONFIG, 23.8e9)):
+        model = gpu.build_transformer(cls_name, config, "meta", torch.bfloat16)
+        assert {(t.device.type, t.dtype) for t in model.parameters()} == {("meta", torch.bfloat16)}
+        assert 2 * sum(t.numel() for t in [*model.parameters(), *model.buffers()]) == pytest.approx(size, rel=0.01)
+
+    out = tmp_path / "gpu.md"
+    p = subprocess.run([sys.executable, os.path.join(HERE, "bench", "gpu.py"), "--quick", "--out", str(out)],
+                       env=ENV, cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    md, data = out.read_text(), json.loads((tmp_path / "gpu.json").read_text())
+    assert "**Not run on a GPU.**" in md and not data["gpu"] and data["dtype"] == "float32"
+    assert [r["model"] for r in data["results"]] == ["SD3.5-M", "FLUX.1-dev"]
+    for r in data["results"]:
+        ph, split, recipe = r["phases"], r["split"], r["recipe"]
+        assert list(ph) == ["rollout", "old surrogate", "update"] and r["lora_rank"] == 32
+        assert r["image_tokens"] == 16 and r["text_tokens"] == 8       # 64 px, 8x VAE, 2x2 patches; 8 text tokens
+        # one sample's update: N_MC rows forward, recomputed (checkpointing) and backward: 2 to 5 forwards a row
+        assert 2 * r["n_mc"] < r["flops_update_sample"] / r["flops_forward_row"] < 5 * r["n_mc"]
+        rollout, upd = ph["rollout"], ph["update"]
+        assert rollout["tflops"] == pytest.approx(
+            r["flops_forward_row"] * r["sample_batch"] * r["steps"] / rollout["seconds"] / 1e12)
+        assert upd["tflops"] == pytest.approx(r["flops_update_sample"] * r["micro_batch"] / upd["seconds"] / 1e12)
+        assert upd["images_per_s"] == pytest.approx(r["micro_batch"] / upd["seconds"])
+        n = recipe["P"] * recipe["G"]                                  # one process holds every sample
+        assert split["rollout"] == pytest.approx(n / r["sample_batch"] * rollout["seconds"])
+        assert split["update"] == pytest.approx(n / r["micro_batch"] * upd["seconds"])
+        assert recipe["inner_steps"] == 1 and split["old surrogate"] == 0   # one inner step: no old pass
+        assert md.count(f"| {r['model']} 64 px (tiny) | ") == 3 and md.count(f"| {r['model']} | ") == 1
+
+    gpu.main(["--quick", "--time-limit", "0", "--out", str(tmp_path / "nothing.md")])
+    nothing = (tmp_path / "nothing.md").read_text()
+    assert "Not measured, --time-limit reached first: SD3.5-M, FLUX.1-dev." in nothing and "(tiny) |" not in nothing

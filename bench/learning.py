@@ -1,23 +1,28 @@
-"""Learning efficiency, issue 5 item 2: V-GRPO, the naive ELBO surrogate and an MDP baseline, side by side.
+"""Learning efficiency: V-GRPO against its baselines, side by side on the same tiny model.
 
-    python bench/learning.py --reward jpeg --seed 0 --out /tmp/jpeg-0.json     # one job (run.py runs six)
+    python bench/learning.py --reward jpeg --seed 0 --out /tmp/jpeg-0.json     # one job (run.py runs them all)
+    python bench/learning.py --reward colour --seed 1 --methods '[{"kind": "DiffusionNFT", "lr": 0.003}]' \
+        --target-gain 0.05 --iterations 80 --eval-every 2 --out /tmp/nft-1.json    # learners of your choice
 
-One process trains three copies of the same tiny random SD3 transformer (vgrpo.build_tiny_sd3_pipeline, full
-fine-tuning, AdamW, the same learning rate) on the same prompts, the same starting noises and the same group
-size, one iteration of each method in turn (the order rotates every iteration), so that a busy machine
-slows all three alike and their seconds can be compared:
+One process trains copies of the same tiny random SD3 transformer (vgrpo.build_tiny_sd3_pipeline, full
+fine-tuning, AdamW) on the same prompts, the same starting noises and the same group size, one iteration of
+each learner in turn (the order rotates every iteration), so that a busy machine slows all of them alike and
+their seconds can be compared. The methods (a learner is a method with its learning rate and knobs, spec()):
 
-  V-GRPO       vgrpo.py's functions: DPM-Solver++ rollout, batch-shared stratified pairs, adaptive weighting
-  naive ELBO   the same loop with the reductions off: independent uniform pairs, plain MSE (FPO-style)
-  MDP          bench/mdp_baseline.py: Flow-GRPO's SDE rollout, per-step log-probabilities and clipped
-               ratios, trained on K random steps of each sample's trajectory
+  V-GRPO        vgrpo.py's functions: DPM-Solver++ rollout, batch-shared stratified pairs, adaptive weighting
+  naive ELBO    the same loop with the reductions off: independent uniform pairs, plain MSE (FPO-style)
+  MDP           bench/mdp_baseline.py: Flow-GRPO's SDE rollout, per-step log-probabilities and clipped
+                ratios, trained on K random steps of each sample's trajectory
+  DiffusionNFT  bench/nft_baseline.py: ODE rollout, forward-process loss on implicit positive / negative policies
+  MixGRPO       bench/mixgrpo_baseline.py: SDE steps in a sliding window, ODE elsewhere, MDP loss on the window
 
-All three take one optimizer step per iteration (vgrpo's tiny default; on-policy, so no ratio is clipped).
+All take one optimizer step per iteration (vgrpo's tiny default; on-policy, so no ratio is clipped).
 Every `eval_every` iterations each policy is scored on the same fixed evaluation set with the same
-deterministic sampler (DPM-Solver++, the deployed one): the MDP trains on SDE samples, so its training
-rewards are not comparable, its ODE samples are. Model evaluations (NFE) count transformer forward rows:
-rollout S per sample, plus for V-GRPO N_MC old-surrogate rows and N_MC update rows (the latter also
-back-propagated), for the MDP K update rows (back-propagated; its old log-probabilities come from the rollout).
+deterministic sampler (DPM-Solver++, the deployed one): the MDP-type methods train on SDE samples, so their
+training rewards are not comparable, their ODE samples are. NFE counts the transformer forward rows of the
+training iterations, measured (count_rows): rollout S per sample plus N_MC (V-GRPO, naive ELBO, DiffusionNFT),
+K (MDP) or w (MixGRPO) update rows per sample, all back-propagated; with one step per rollout no method needs
+a separate pass for its old values (V-GRPO's s_old, DiffusionNFT's v_old, the MDP's log-probabilities).
 """
 
 import argparse
@@ -35,6 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import mdp_baseline as mdp  # noqa: E402
+import mixgrpo_baseline as mix  # noqa: E402
+import nft_baseline as nft  # noqa: E402
 import reward as rewards_lib  # noqa: E402
 import vgrpo  # noqa: E402
 
@@ -46,16 +53,20 @@ class Setup:
     prompts_per_step: int = 2      # P
     group_size: int = 8            # G (vgrpo's default; G = 4 learned too slowly to see in minutes)
     sample_steps: int = 10         # S, for every method's rollout and for the evaluation
-    n_mc: int = 4                  # V-GRPO pairs per sample, and K, the MDP's trained steps per sample
+    n_mc: int = 4                  # pairs per sample (V-GRPO, naive ELBO, DiffusionNFT); K, the MDP's trained steps
     iterations: int = 24
     eval_every: int = 4
+    eval_dense: int = 0            # also evaluate after each of the first this many iterations (finer early timing)
     eval_samples: int = 16         # evaluation set: the first (up to) 8 prompts, fixed noises, 16 samples
     eval_prompts: int = 8
-    lr: float = 2e-3               # vgrpo's tiny default, used for all three (no per-method tuning)
+    lr: float = 2e-3               # vgrpo's tiny default, for the default learners (the headline sweeps it)
     max_grad_norm: float = 1.0
     clip_eps: float = 0.01         # V-GRPO / naive ELBO ratio clip (vgrpo's default)
     mdp_clip_eps: float = 1e-4     # Flow-GRPO's per-step clip range
-    mdp_noise: float = 0.7         # Flow-GRPO's a
+    mdp_noise: float = 0.7         # Flow-GRPO's a (MDP and MixGRPO)
+    nft_beta: float = 1.0          # DiffusionNFT's beta, unless a learner sets its own
+    mix_window: int = 4            # MixGRPO's window size w, unless a learner sets its own
+    mix_shift_every: int = 8       # MixGRPO's shift interval (iterations per window position)
     micro_batch: int = 16
 
 
@@ -130,6 +141,27 @@ def eval_inputs(family, prompts, setup, seed):
     return {"prompts": chosen, "cond": family.encode(chosen), "noise": noise}
 
 
+def count_rows(family):
+    """Make family.velocity count the transformer rows it evaluates (family.rows): the NFE of each iteration is
+    measured, not derived, so it stays right whatever the methods' code does to save a pass."""
+    if not hasattr(family, "rows"):
+        inner, family.rows = family.velocity, 0
+
+        def velocity(model, x, sigma, cond):
+            family.rows += x.shape[0]
+            return inner(model, x, sigma, cond)
+
+        family.velocity = velocity
+    return family
+
+
+def sde_noises(family, inputs, n_steps, seed, it):
+    """The standard normal draw of every SDE step of every sample (B, S, *lat), keyed like the starting noise."""
+    shape = (n_steps, *family.latent_shape)
+    return torch.stack([torch.randn(shape, generator=vgrpo.keyed_generator(seed, "sde", it, j, m))
+                        for j, m in inputs["ids"]])
+
+
 def decode(family, o, micro_batch):
     return torch.cat([family.decode(o[idx]) for idx in torch.arange(len(o)).split(micro_batch)])
 
@@ -137,20 +169,32 @@ def decode(family, o, micro_batch):
 # --------------------------------------------------------------------------- one iteration of each method
 
 
+KINDS = ("V-GRPO", "naive ELBO", "MDP", "DiffusionNFT", "MixGRPO")
+
+
+def spec(kind, lr, name=None, **knobs):
+    """One learner's settings: its method, its learning rate and its knobs (DiffusionNFT's beta, MixGRPO's
+    window) -> dict; `name` labels it in tables and curves (default: the method's name)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown method {kind!r}; known: {', '.join(KINDS)}")
+    return {"name": name or kind, "kind": kind, "lr": lr, **knobs}
+
+
 class Learner:
     """One method's trainable copy of the transformer, its optimizer and its running totals."""
 
-    def __init__(self, name, family, base_state, setup):
-        self.name, self.setup = name, setup
+    def __init__(self, settings, family, base_state, setup):
+        self.name, self.kind, self.settings, self.setup = settings["name"], settings["kind"], settings, setup
         self.model = copy.deepcopy(family.transformer)
         self.model.load_state_dict(base_state)
         self.model.requires_grad_(True)
         self.params = list(self.model.parameters())
-        self.optimizer = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=0.0)
-        naive = name == "naive ELBO"
+        self.optimizer = torch.optim.AdamW(self.params, lr=settings["lr"], weight_decay=0.0)
+        naive = self.kind == "naive ELBO"
         # the attributes vgrpo.rollout / old_surrogate / update read
         self.args = types.SimpleNamespace(
-            sampler="dpmpp2m", guidance=1.0, micro_batch=setup.micro_batch, group_size=setup.group_size,
+            sampler="dpmpp2m", guidance=1.0, micro_batch=setup.micro_batch, sample_batch=setup.micro_batch,
+            group_size=setup.group_size,
             inner_steps=1, n_mc=setup.n_mc, beta=0.0, clip_eps=setup.clip_eps, max_grad_norm=setup.max_grad_norm,
             pair_sharing="none" if naive else "batch", stratified=not naive, weighting="none" if naive else "adaptive")
 
@@ -172,18 +216,16 @@ def elbo_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):
     t3 = time.perf_counter()
     stats = vgrpo.update(family, learner.model, learner.optimizer, learner.params, batch, args, P)
     t4 = time.perf_counter()
-    nfe = B * (len(sigmas) - 1) + 2 * B * args.n_mc
     return dict(reward=r.mean().item(), time_rollout=t1 - t0, time_reward=t2 - t1, time_old=t3 - t2,
-                time_update=t4 - t3, nfe=nfe, backprop_rows=B * args.n_mc, grad_norm=stats["grad_norm"],
-                ratio_dev_first=stats["ratio_dev_first"])
+                time_update=t4 - t3, backprop_rows=B * args.n_mc, grad_norm=stats["grad_norm"],
+                ratio_dev_first=stats.get("ratio_dev_first", 0.0))  # vgrpo's update takes s_old from its 1st forward
 
 
 def mdp_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):
     """The MDP baseline: SDE rollout with log-probabilities -> reward -> advantages -> per-step update."""
     s, B, S = learner.setup, len(inputs["noise"]), len(sigmas) - 1
     t0 = time.perf_counter()
-    step_noise = torch.stack([torch.randn((S, *family.latent_shape), generator=vgrpo.keyed_generator(seed, "sde", it, j, m))
-                              for j, m in inputs["ids"]])
+    step_noise = sde_noises(family, inputs, S, seed, it)
     states, log_probs = mdp.sde_rollout(family, learner.model, inputs["cond"], inputs["noise"], step_noise,
                                         sigmas, s.mdp_noise, s.micro_batch)
     images = decode(family, states[:, -1], s.micro_batch)
@@ -197,14 +239,65 @@ def mdp_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):
                            s.mdp_noise, s.mdp_clip_eps, s.micro_batch, s.max_grad_norm)
     t3 = time.perf_counter()
     return dict(reward=r.mean().item(), time_rollout=t1 - t0, time_reward=t2 - t1, time_old=0.0,
-                time_update=t3 - t2, nfe=B * S + B * s.n_mc, backprop_rows=B * s.n_mc, grad_norm=stats["grad_norm"],
+                time_update=t3 - t2, backprop_rows=B * s.n_mc, grad_norm=stats["grad_norm"],
                 ratio_dev_first=stats["ratio_dev_first"])
+
+
+def nft_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):
+    """DiffusionNFT: ODE rollout -> reward -> optimality probability -> forward-noised rows + v_old -> update."""
+    s, B, beta = learner.setup, len(inputs["noise"]), learner.settings.get("beta", learner.setup.nft_beta)
+    t0 = time.perf_counter()
+    o = vgrpo.rollout(family, learner.model, inputs["cond"], inputs["noise"], sigmas, learner.args)
+    images = decode(family, o, s.micro_batch)
+    t1 = time.perf_counter()
+    r = reward_fn(images, inputs["prompts"])
+    optimality = nft.optimality_probability(r, s.group_size)
+    t2 = time.perf_counter()
+    # independent uniform draws per image, as the paper's (keyed apart from V-GRPO's pairs)
+    sig, eps = vgrpo.draw_pairs(sigmas, s.n_mc, family.latent_shape, inputs["ids"], "none", False, seed, ("nft", it))
+    batch = {"o": o, "cond": inputs["cond"], "r": optimality, "sigmas": sig, "eps": eps}
+    t3 = time.perf_counter()
+    stats = nft.nft_update(family, learner.model, learner.optimizer, learner.params, batch, beta, s.micro_batch,
+                           s.max_grad_norm)
+    t4 = time.perf_counter()
+    return dict(reward=r.mean().item(), time_rollout=t1 - t0, time_reward=t2 - t1, time_old=t3 - t2,
+                time_update=t4 - t3, backprop_rows=B * s.n_mc,
+                grad_norm=stats["grad_norm"], ratio_dev_first=0.0)
+
+
+def mixgrpo_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):
+    """MixGRPO: mixed ODE-SDE rollout (SDE in the window) -> reward -> advantages -> update on the window."""
+    s, B, S = learner.setup, len(inputs["noise"]), len(sigmas) - 1
+    size = learner.settings.get("window", s.mix_window)
+    steps = mix.window(it, S, size, s.mix_shift_every)
+    t0 = time.perf_counter()
+    step_noise = sde_noises(family, inputs, S, seed, it)
+    states, log_probs = mix.mixed_rollout(family, learner.model, inputs["cond"], inputs["noise"], step_noise, sigmas,
+                                          steps, s.mdp_noise, s.micro_batch)
+    images = decode(family, states[:, -1], s.micro_batch)
+    t1 = time.perf_counter()
+    r = reward_fn(images, inputs["prompts"])
+    A = vgrpo.group_advantages(r, s.group_size)
+    t2 = time.perf_counter()
+    stats = mdp.mdp_update(family, learner.model, learner.optimizer, learner.params,
+                           {"states": states, "log_probs": log_probs, "cond": inputs["cond"]},
+                           mix.window_steps(B, steps), A, sigmas, s.mdp_noise, s.mdp_clip_eps, s.micro_batch,
+                           s.max_grad_norm)
+    t3 = time.perf_counter()
+    return dict(reward=r.mean().item(), time_rollout=t1 - t0, time_reward=t2 - t1, time_old=0.0,
+                time_update=t3 - t2, backprop_rows=B * size, grad_norm=stats["grad_norm"],
+                ratio_dev_first=stats["ratio_dev_first"], window=steps[0])
+
+
+STEP = {"V-GRPO": elbo_iteration, "naive ELBO": elbo_iteration, "MDP": mdp_iteration,
+        "DiffusionNFT": nft_iteration, "MixGRPO": mixgrpo_iteration}
 
 
 @torch.no_grad()
 def evaluate(learner, family, sigmas, inputs, reward_fn):
     """Mean reward of the deterministic DPM-Solver++ samples on the fixed evaluation set."""
-    args = types.SimpleNamespace(sampler="dpmpp2m", guidance=1.0, micro_batch=learner.setup.micro_batch)
+    args = types.SimpleNamespace(sampler="dpmpp2m", guidance=1.0, micro_batch=learner.setup.micro_batch,
+                                 sample_batch=learner.setup.micro_batch)
     o = vgrpo.rollout(family, learner.model, inputs["cond"], inputs["noise"], sigmas, args)
     return reward_fn(decode(family, o, args.micro_batch), inputs["prompts"]).mean().item()
 
@@ -212,28 +305,45 @@ def evaluate(learner, family, sigmas, inputs, reward_fn):
 # --------------------------------------------------------------------------- one job: a reward and a seed
 
 
-def run_job(task, seed, setup, family=None, verbose=True):
-    """Train the three methods on one reward and seed, interleaved -> {method: {"train": [...], "eval": [...]}}.
-    train: per-iteration dicts (reward, seconds by phase, nfe); eval: (iteration, mean eval reward)."""
-    family = family or tiny_family()
+def run_job(task, seed, setup, family=None, verbose=True, methods=None, target_gain=None):
+    """Train the learners `methods` (specs; default the three methods of METHODS at setup.lr) on one reward and
+    seed, interleaved -> {name: {"settings": spec, "train": [...], "eval": [...]}}. train: per-iteration dicts
+    (reward, seconds by phase, nfe); eval: (iteration, mean eval reward). With a target gain (the learner's spec's
+    `target_gain`, else `target_gain`), a learner stops at the first evaluation at least that far above the base
+    model's (the others run on), so that slow methods can be run long. The target is a gain, not a reward: each
+    seed's evaluation set scores the base differently."""
+    family = count_rows(family or tiny_family())
     sigmas = family.sigma_grid(setup.sample_steps)
     reward_fn, prompts = make_task(task, family, sigmas)
     base_state = copy.deepcopy(family.transformer.state_dict())
-    learners = [Learner(name, family, base_state, setup) for name in METHODS]
+    methods = methods or [spec(name, setup.lr) for name in METHODS]
+    learners = [Learner(m, family, base_state, setup) for m in methods]
+    if len({l.name for l in learners}) != len(learners):
+        raise ValueError("learner names must be distinct")
     ev = eval_inputs(family, prompts, setup, seed)
-    out = {l.name: {"train": [], "eval": [(0, evaluate(l, family, sigmas, ev, reward_fn))]} for l in learners}
+    out = {l.name: {"settings": l.settings, "train": [], "eval": [(0, evaluate(l, family, sigmas, ev, reward_fn))]}
+           for l in learners}
     for it in range(setup.iterations):
+        if not learners:
+            break
         inputs = iteration_inputs(family, prompts, setup, seed, it)
-        for k in range(len(learners)):  # rotate the order so no method always runs first on a busy machine
-            l = learners[(it + k) % len(learners)]
-            step = mdp_iteration if l.name == "MDP" else elbo_iteration
-            out[l.name]["train"].append(step(l, family, sigmas, inputs, reward_fn, seed, it))
-            if (it + 1) % setup.eval_every == 0 or it + 1 == setup.iterations:
+        for l in learners[it % len(learners):] + learners[:it % len(learners)]:  # rotate: no method always first
+            rows = family.rows
+            out[l.name]["train"].append(STEP[l.kind](l, family, sigmas, inputs, reward_fn, seed, it))
+            out[l.name]["train"][-1]["nfe"] = family.rows - rows
+            if (it + 1) % setup.eval_every == 0 or it + 1 <= setup.eval_dense or it + 1 == setup.iterations:
                 out[l.name]["eval"].append((it + 1, evaluate(l, family, sigmas, ev, reward_fn)))
         if verbose:
             print(f"{task} seed {seed} it {it + 1}: " + " | ".join(
-                f"{n} {out[n]['train'][-1]['reward']:+.4f} ({out[n]['eval'][-1][1]:+.4f})" for n in METHODS), flush=True)
+                f"{l.name} {out[l.name]['train'][-1]['reward']:+.4f} ({out[l.name]['eval'][-1][1]:+.4f})"
+                for l in learners), flush=True)
+        learners = [l for l in learners if not reached(out[l.name]["eval"], l.settings.get("target_gain", target_gain))]
     return out
+
+
+def reached(evals, target_gain):
+    """Has the last evaluation (after the start) gained at least target_gain over the first (the base model)?"""
+    return target_gain is not None and evals[-1][0] > 0 and evals[-1][1] - evals[0][1] >= target_gain
 
 
 def main():
@@ -241,17 +351,24 @@ def main():
     p.add_argument("--reward", choices=TASKS, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--iterations", type=int, default=Setup.iterations)
+    p.add_argument("--eval-every", type=int, default=Setup.eval_every)
+    p.add_argument("--eval-dense", type=int, default=0, help="also evaluate after each of the first N iterations")
+    p.add_argument("--methods", help="JSON list of learner specs (see spec()); default: V-GRPO, naive ELBO, MDP")
+    p.add_argument("--target-gain", type=float, help="stop each learner at its first evaluation this far above the "
+                   "base model's (a learner's spec may set its own target_gain)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (run.py runs two jobs side by side)")
     p.add_argument("--out", required=True, help="JSON file for the curves")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     import diffusers
     diffusers.utils.logging.set_verbosity_error()
-    setup = Setup(iterations=a.iterations)
-    result = run_job(a.reward, a.seed, setup)
+    setup = Setup(iterations=a.iterations, eval_every=a.eval_every, eval_dense=a.eval_dense)
+    methods = [spec(**m) for m in json.loads(a.methods)] if a.methods else None
+    result = run_job(a.reward, a.seed, setup, methods=methods, target_gain=a.target_gain)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"reward": a.reward, "seed": a.seed, "setup": dataclasses.asdict(setup), "methods": result}, f)
+        json.dump({"reward": a.reward, "seed": a.seed, "setup": dataclasses.asdict(setup), "target_gain": a.target_gain,
+                   "methods": result}, f)
 
 
 if __name__ == "__main__":

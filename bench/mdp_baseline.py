@@ -117,7 +117,8 @@ def mdp_update(family, model, optimizer, params, rollout, steps, A, sigmas, a, c
         rows_i, rows_k = idx.repeat_interleave(K), steps[idx].reshape(-1)  # (b K,) sample and step of each row
         x, x_next = states[rows_i, rows_k], states[rows_i, rows_k + 1]      # (b K, *lat)
         v = family.velocity(model, x, sigmas[rows_k], tuple(c[rows_i] for c in cond))
-        mean, std = sde_step(x.float(), v.float(), per_row(sigmas[rows_k], x), per_row(sigmas[rows_k + 1], x), sigmas[1], a)
+        mean, std = sde_step(x.float(), v.float(), per_row(sigmas[rows_k], x), per_row(sigmas[rows_k + 1], x),
+                             sigmas[1], a)
         loss, st = mdp_loss(gaussian_log_prob(x_next, mean, std), log_probs_old[rows_i, rows_k], A[rows_i], clip_eps)
         (loss * len(idx) / B).backward()
         for name, value in st.items():

@@ -63,7 +63,7 @@ def run(seeds=3, draws=16, n_prompts=4, group_size=8, out=None, family=None):
         cond = family.encode(prompts)
         noise = torch.randn(len(prompts), *family.latent_shape, generator=torch.Generator().manual_seed(seed))
         o = vgrpo.rollout(family, family.transformer, cond, noise, sigmas,
-                          types.SimpleNamespace(sampler="dpmpp2m", guidance=1.0, micro_batch=16))
+                          types.SimpleNamespace(sampler="dpmpp2m", guidance=1.0, sample_batch=16))
         for name, value in measure(family, o, cond, sigmas, group_size, draws, 4, seed).items():
             rows[name].append(value)
         print(f"seed {seed} done", flush=True)

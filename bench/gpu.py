@@ -1,0 +1,314 @@
+"""GPU benchmark, issue 10 item 6: V-GRPO's phases on SD3.5-Medium- and FLUX.1-dev-shaped transformers.
+
+    python bench/gpu.py                                    # one GPU, a few minutes -> bench/results/gpu.md, gpu.json
+    python bench/gpu.py --time-limit 240 --models flux     # stop measuring after 240 s, write what was measured
+    python bench/gpu.py --quick --out /tmp/gpu.md          # CPU, tiny shapes, float32, seconds (test_bench.py)
+
+The transformers are the real architectures (configurations below, from the models' config.json) with random
+weights: nothing is downloaded. They are built directly on the GPU in bf16 (factory functions default there while
+the modules are made, so no full-size weights ever exist on the CPU), get vgrpo's LoRA (r32, alpha 64, the
+families' targets) and gradient checkpointing, and run through vgrpo's own functions with the recipe's settings
+(vgrpo.RECIPES: SD3.5-M at 512 px, 40 steps; FLUX.1-dev at 720 px, 16 steps; N_MC 4, micro-batches of 4):
+
+  rollout  vgrpo.rollout on one --sample-batch of noises, timed over --rollout-steps ODE steps, scaled to all S
+  old      vgrpo.old_surrogate on one micro-batch (micro-batch x N_MC rows, no gradients)
+  update   vgrpo.update on one micro-batch: forward + backward of its rows, gradient clip, AdamW on the LoRA weights
+
+Random text embeddings have the real shapes (SD3: 333 tokens = 77 CLIP + 256 T5, pooled 2048; FLUX: 512 T5
+tokens, pooled 768). Seconds are the fastest of --repeats runs after a warm-up; peak memory is
+torch.cuda.max_memory_allocated over the phase (weights included). TFLOP/s counts the FLOPs of one forward of one
+row and of one update of one sample with torch.utils.flop_counter (backward and checkpointing's recomputation
+included) and divides by the measured time; "of peak" compares it with the device's dense bf16 peak. The split
+multiplies the measured times out to one iteration of the recipe on --gpus GPUs, per GPU (rollout without VAE
+decoding; the reward is not timed). --quick runs the same code on tiny transformers on the CPU in float32.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import sys
+import time
+import types
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import vgrpo  # noqa: E402
+
+# stabilityai/stable-diffusion-3.5-medium's transformer (2.24B) and black-forest-labs/FLUX.1-dev's (11.9B)
+SD3_CONFIG = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                  num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                  pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                  dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+FLUX_CONFIG = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                   num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                   axes_dims_rope=(16, 56, 56))
+# --quick: the same architectures (dual attention, RMS qk-norm, guidance embedding) at toy width and depth
+SD3_QUICK = dict(SD3_CONFIG, sample_size=8, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+                 joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32, pos_embed_max_size=8,
+                 dual_attention_layers=(0,))
+FLUX_QUICK = dict(FLUX_CONFIG, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                  joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+# what the pipelines' schedulers are configured with (FLUX: resolution-dependent shift)
+SD3_SCHEDULER = dict(shift=3.0)
+FLUX_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                      max_image_seq_len=4096)
+MODELS = {  # name: (diffusers class, family, recipe, scheduler, config, quick config, text tokens, pooled width)
+    "sd3": ("SD3Transformer2DModel", vgrpo.SD3Family, "sd3", SD3_SCHEDULER, SD3_CONFIG, SD3_QUICK, 333, 2048),
+    "flux": ("FluxTransformer2DModel", vgrpo.FluxFamily, "flux", FLUX_SCHEDULER, FLUX_CONFIG, FLUX_QUICK, 512, 768),
+}
+TITLES = {"sd3": "SD3.5-M", "flux": "FLUX.1-dev"}
+# dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, matched in order against the device name
+PEAK_TFLOPS = [("H100 PCIe", 756), ("H100", 989), ("H200", 989), ("H800", 989), ("A100", 312), ("A800", 312),
+               ("L40S", 362), ("RTX 4090", 165), ("B200", 2250)]
+
+
+def peak_tflops(device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
+
+def build_transformer(cls_name, config, device, dtype):
+    """Random weights made on `device` in `dtype` by the modules' own initialisation (seed 0)."""
+    import diffusers
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = getattr(diffusers, cls_name)(**config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def make_family(name, quick, device):
+    """vgrpo's SD3Family / FluxFamily around a bare transformer, and the recipe's Args with LoRA r32. A stand-in
+    pipeline holds the transformer, the scheduler (for the sigma grid) and FLUX's image-token layout."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    cls_name, family_cls, recipe, scheduler, config, quick_config, tokens, pooled = MODELS[name]
+    args = vgrpo.Args(model=("tiny" if name == "sd3" else "tiny-flux") if quick else recipe)
+    args = dataclasses.replace(args, full_finetune=False, lora_rank=32, lora_alpha=64.0)   # LoRA in --quick too
+    config, tokens, resolution = (quick_config, 8, 64) if quick else (config, tokens, args.resolution)
+    amp = None if quick else torch.bfloat16
+    transformer = build_transformer(cls_name, config, device, amp or torch.float32)
+    transformer.enable_gradient_checkpointing()
+    pipe = types.SimpleNamespace(transformer=transformer, vae_scale_factor=8,
+                                 scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
+                                 _prepare_latent_image_ids=FluxPipeline._prepare_latent_image_ids)
+    kw = dict(guidance=args.guidance) if name == "flux" else {}
+    family = family_cls(pipe, resolution, tokens, device, amp_dtype=amp, **kw)
+    return family, args, (tokens, config["joint_attention_dim"], config["pooled_projection_dim"])
+
+
+def inputs(family, args, text_shape, micro_batch, device):
+    """Random conditioning and starting noises for a sample batch, the sigma grid, and one micro-batch's
+    V-GRPO batch (rollout latents, conditioning, pairs shared over the batch, advantages)."""
+    tokens, width, pooled = text_shape
+    n, dtype = max(args.sample_batch, micro_batch), family.amp_dtype or torch.float32
+    g = torch.Generator(device).manual_seed(0)
+    cond = (torch.randn(n, tokens, width, device=device, dtype=dtype, generator=g),
+            torch.randn(n, pooled, device=device, dtype=dtype, generator=g))
+    noise = torch.randn(n, *family.latent_shape, device=device, generator=g)
+    sigmas = family.sigma_grid(args.sample_steps)
+    sig, eps = vgrpo.draw_pairs(sigmas, args.n_mc, family.latent_shape, [(0, m) for m in range(micro_batch)],
+                                "batch", True, 0, 0, device)
+    batch = {"o": noise[:micro_batch], "cond": vgrpo.take(cond, slice(0, micro_batch)), "sigmas": sig, "eps": eps,
+             "A": torch.randn(micro_batch, device=device, generator=g)}
+    return cond, noise, sigmas, batch
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeats):
+    """Fastest of `repeats` runs after one warm-up, and the peak memory over them (GiB; None on the CPU)."""
+    fn()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return best, peak
+
+
+def count_flops(fn):
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def measure_model(name, a, gpus, device, deadline):
+    """Build one model and time its three phases -> a dict; phases not started before `deadline` are left out."""
+    family, args, text_shape = make_family(name, a.quick, device)
+    model = family.transformer
+    params = vgrpo.add_trainable_weights(family, args)
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    minibatch = args.prompts_per_step // gpus * args.group_size // args.inner_steps
+    mb = math.gcd(minibatch, 16 if a.quick else 4)                               # vgrpo.validate's default
+    sb, k = args.sample_batch, min(a.rollout_steps, args.sample_steps)
+    one = dataclasses.replace(args, micro_batch=mb, group_size=mb, inner_steps=1)   # exactly one micro-batch
+    cond, noise, sigmas, batch = inputs(family, args, text_shape, mb, device)
+    first_k = torch.cat([sigmas[:k], sigmas[-1:]])    # k velocity evaluations, the last one straight to sigma = 0
+    res = dict(model=TITLES[name], resolution=family.resolution, steps=args.sample_steps, sample_batch=sb,
+               micro_batch=mb, n_mc=args.n_mc, lora_rank=args.lora_rank, image_tokens=family.image_tokens,
+               text_tokens=text_shape[0], lora_params=sum(p.numel() for p in params), phases={},
+               recipe=dict(P=args.prompts_per_step, G=args.group_size, inner_steps=args.inner_steps))
+    res["params"] = sum(p.numel() for p in model.parameters()) - res["lora_params"]
+    # FLOPs of one row's forward and of one sample's update (vgrpo.update on a micro-batch of one: forward,
+    # backward with checkpointing's recomputation; AdamW's elementwise work is not counted)
+    with torch.no_grad():
+        res["flops_forward_row"] = count_flops(
+            lambda: family.velocity(model, noise[:1], sigmas[:1], vgrpo.take(cond, slice(0, 1))))
+    single = {key: vgrpo.take(v, slice(0, 1)) if key == "cond" else v[:1] for key, v in batch.items()}
+    res["flops_update_sample"] = count_flops(lambda: vgrpo.update(
+        family, model, optimizer, params, single, dataclasses.replace(one, micro_batch=1, group_size=1), 1))
+    phases = {
+        "rollout": (lambda: vgrpo.rollout(family, model, vgrpo.take(cond, slice(0, sb)), noise[:sb], first_k, one),
+                    sb, res["flops_forward_row"] * sb * k),
+        "old surrogate": (lambda: vgrpo.old_surrogate(family, model, batch, one, 1, from_step=0), mb,
+                          res["flops_forward_row"] * mb * args.n_mc),
+        "update": (lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1), mb,
+                   res["flops_update_sample"] * mb),
+    }
+    for phase, (fn, samples, flops) in phases.items():
+        if time.perf_counter() > deadline:
+            print(f"  {phase}: skipped, --time-limit reached", flush=True)
+            continue
+        seconds, peak = timed(fn, device, a.repeats)
+        if phase == "rollout":  # k of the S steps were timed; every step costs the same, so scale to S
+            seconds, flops = seconds * args.sample_steps / k, flops * args.sample_steps / k
+        res["phases"][phase] = dict(samples=samples, seconds=seconds, images_per_s=samples / seconds,
+                                    peak_gib=peak, tflops=flops / seconds / 1e12)
+        print(f"  {phase}: {seconds:.3f} s for {samples} samples", flush=True)
+    return res
+
+
+def iteration_split(res, gpus):
+    """Seconds per GPU for one iteration of the recipe: P*G/gpus samples, rollouts in sample batches, the old
+    surrogate for the minibatches after the first (as vgrpo.train_iteration), every micro-batch updated once."""
+    r, ph = res["recipe"], res["phases"]
+    if len(ph) < 3:
+        return None
+    n = r["P"] * r["G"] / gpus
+    split = {"rollout": n / res["sample_batch"] * ph["rollout"]["seconds"],
+             "old surrogate": (r["inner_steps"] - 1) / r["inner_steps"] * n / res["micro_batch"]
+             * ph["old surrogate"]["seconds"],
+             "update": n / res["micro_batch"] * ph["update"]["seconds"]}
+    return dict(split, samples_per_gpu=n, total=sum(split.values()), images_per_s=n / sum(split.values()))
+
+
+def report(results, meta):
+    """The markdown file: where and how it was measured, the per-phase table, the per-iteration split."""
+    peak = meta["peak_tflops"]
+    lines = ["# GPU benchmark (`bench/gpu.py`)", ""]
+    if not meta["gpu"]:
+        lines += ["**Not run on a GPU.** These numbers are `python bench/gpu.py --quick`'s: tiny transformers on the "
+                  "CPU in float32, which only show that the script runs end to end. Run `python bench/gpu.py` on a "
+                  "GPU to measure the real shapes.", ""]
+    where = f"{meta['device']} (dense bf16 peak {peak or '?'} TFLOP/s)" if meta["gpu"] else "the CPU"
+    lines += [f"`{meta['command']}` on {where}, torch {meta['torch']}, diffusers {meta['diffusers']}, {meta['date']}; "
+              f"weights in {meta['dtype']}, LoRA r32 (float32), gradient checkpointing, fastest of {meta['repeats']}.",
+              "", "| model | phase | samples | rows | seconds | images/s | peak GiB | TFLOP/s | of peak |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for res in results:
+        title = f"{res['model']} {res['resolution']} px" + ("" if meta["gpu"] else " (tiny)")
+        rows = res["micro_batch"] * res["n_mc"]
+        for phase, what in (("rollout", f"{res['sample_batch']} x {res['steps']} steps"),
+                            ("old surrogate", f"{rows}"), ("update", f"{rows}, fwd + bwd")):
+            p = res["phases"].get(phase)
+            if p is None:
+                lines.append(f"| {title} | {phase} | | | not run (--time-limit) | | | | |")
+                continue
+            memory = "" if p["peak_gib"] is None else f"{p['peak_gib']:.1f}"
+            share = f"{p['tflops'] / peak:.1%}" if peak else ""
+            lines.append(f"| {title} | {phase} | {p['samples']} | {what} | {p['seconds']:.3f} | "
+                         f"{p['images_per_s']:.2f} | {memory} | {p['tflops']:.3g} | {share} |")
+    on = f"on {meta['gpus']} GPUs, seconds per GPU" if meta["gpu"] else "in one CPU process, seconds"
+    lines += ["", f"One iteration of each model's recipe (vgrpo.RECIPES) {on} (rollout without VAE decoding; the "
+                  "reward is not timed):", "",
+              "| model | recipe | samples per GPU | rollout | old surrogate | update | total | images/s per GPU |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for res in (res for res in results if res["split"]):
+        s, r = res["split"], res["recipe"]
+        parts = " | ".join(f"{s[k]:.1f} ({s[k] / s['total']:.0%})" for k in ("rollout", "old surrogate", "update"))
+        lines.append(f"| {res['model']} | {r['P']} x {r['G']}, {res['steps']} steps, N_MC {res['n_mc']}, "
+                     f"{r['inner_steps']} inner step(s) | {s['samples_per_gpu']:g} | {parts} | {s['total']:.1f} | "
+                     f"{s['images_per_s']:.2f} |")
+    lines += [] if not results else ["", "One row's forward (LoRA included): " + "; ".join(
+        f"{res['model']} {res['flops_forward_row'] / 1e9:.4g} GFLOP, {res['image_tokens']} image + "
+        f"{res['text_tokens']} text tokens, {res['params'] / 1e6:.4g} M weights + {res['lora_params'] / 1e6:.3g} M LoRA"
+        for res in results) + "."]
+    if meta["skipped"]:
+        lines += ["", f"Not measured, --time-limit reached first: {', '.join(meta['skipped'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="V-GRPO's phases on SD3.5-M- and FLUX.1-dev-shaped transformers")
+    p.add_argument("--quick", action="store_true", help="tiny transformers on the CPU in float32 (seconds)")
+    p.add_argument("--models", default="sd3,flux", help="comma-separated, from: sd3, flux")
+    p.add_argument("--time-limit", type=float, default=300, help="seconds after which no phase starts; what was "
+                                                                  "measured is written")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs of the per-iteration split (the paper's runs: 8)")
+    p.add_argument("--rollout-steps", type=int, default=4, help="ODE steps timed per rollout, scaled to the recipe's")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per phase after a warm-up; the fastest counts")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "gpu.md"), help="markdown; the JSON goes beside it")
+    a = p.parse_args(argv)
+    names = a.models.split(",")
+    if not set(names) <= set(MODELS):
+        p.error(f"--models {a.models}: choose from {', '.join(MODELS)}")
+    if not a.quick and not torch.cuda.is_available():
+        p.error("no CUDA device here: the GPU benchmark needs one (--quick runs tiny shapes on the CPU)")
+    device = torch.device("cpu" if a.quick else "cuda")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True   # as vgrpo's --tf32 default
+    deadline, gpus = time.perf_counter() + a.time_limit, 1 if a.quick else a.gpus
+    vgrpo.quiet_libraries()
+    results, skipped = [], []
+    for name in names:
+        if time.perf_counter() > deadline:
+            print(f"{TITLES[name]}: skipped, --time-limit reached", flush=True)
+            skipped.append(TITLES[name])
+            continue
+        print(f"{TITLES[name]}:", flush=True)
+        res = measure_model(name, a, gpus, device, deadline)
+        res["split"] = iteration_split(res, gpus)
+        results.append(res)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    import diffusers
+
+    gpu = device.type == "cuda"
+    meta = dict(gpu=gpu, device=torch.cuda.get_device_name(device) if gpu else "CPU", peak_tflops=peak_tflops(device),
+                torch=torch.__version__, diffusers=diffusers.__version__, date=datetime.date.today().isoformat(),
+                dtype="bf16" if gpu else "float32", repeats=a.repeats, gpus=gpus, skipped=skipped,
+                command=" ".join(["python bench/gpu.py", *(sys.argv[1:] if argv is None else argv)]))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        f.write(report(results, meta))
+    with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+        json.dump(dict(meta, results=results), f, indent=1)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -71,13 +71,16 @@ def test_group_advantages_match_formula(group_size, soft_clip):
 
 
 def test_all_equal_rewards_give_exactly_zero_advantages():
-    # 0.1 * 3 is not exactly representable: a naive mean leaves a ~1e-17 residue, divided by a 0 std
-    r = torch.tensor([0.1, 0.1, 0.1, 5.0, 5.0, 5.0, 1.0, 2.0, 3.0])
-    A = vgrpo.group_advantages(r, 3)
-    assert torch.isfinite(A).all()
-    assert torch.equal(A[:6], torch.zeros(6))
-    assert A[6] < 0 < A[8]
-    assert torch.equal(vgrpo.group_advantages(torch.full((8,), 7.0), 4, soft_clip=3.0), torch.zeros(8))
+    # in float32 the mean of eight 0.1s is off by 7.5e-9 and so is the std: the plain formula gives
+    # 7.5e-9 / (7.5e-9 + 1e-4) = 7e-5 for every member of a group whose rewards are all equal
+    eights = torch.full((8,), 0.1)
+    naive = (eights - eights.mean()) / (eights.std(unbiased=False) + 1e-4)
+    assert naive.abs().min() > 1e-5                      # the premise: without the special case this test fails
+    r = torch.cat([eights, torch.full((8,), 5.0), torch.arange(8.0)])
+    A = vgrpo.group_advantages(r, 8)
+    assert torch.equal(A[:16], torch.zeros(16))
+    assert torch.isfinite(A).all() and A[16] < 0 < A[23]
+    assert torch.equal(vgrpo.group_advantages(eights, 4, soft_clip=3.0), torch.zeros(8))
 
 
 def test_group_size_one_is_refused():
@@ -88,19 +91,20 @@ def test_group_size_one_is_refused():
 # --------------------------------------------------------------------------- stratified sigmas and pairs
 
 
-def test_per_reward_advantages_normalise_each_reward_then_sum():
+@pytest.mark.parametrize("w2", [0.5, -0.5])   # a negative weight penalises a reward; |w| still sets its share
+def test_per_reward_advantages_normalise_each_reward_then_sum(w2):
     rng = np.random.default_rng(3)
     r1, r2 = rng.normal(size=8), 1000 * rng.normal(size=8)   # very different scales
     r2[4:] = 7.0                                             # reward 2 all equal in group 2
     want = []
     for g in range(2):
         a = 0.0
-        for r, w in ((r1, 1.0), (r2, 0.5)):
+        for r, w in ((r1, 1.0), (r2, w2)):
             x = r[4 * g:4 * g + 4]
             a = a + w * (x - x.mean()) / (x.std() + 1e-4)
-        a = a / 1.5                                          # the weights' sum: A stays on one advantage's scale
+        a = a / 1.5                                          # 1 + |w2|: A stays on one advantage's scale
         want.append(2.0 * np.tanh(a / 2.0))
-    got = vgrpo.per_reward_advantages({"a": torch.tensor(r1), "b": torch.tensor(r2)}, {"a": 1.0, "b": 0.5}, 4,
+    got = vgrpo.per_reward_advantages({"a": torch.tensor(r1), "b": torch.tensor(r2)}, {"a": 1.0, "b": w2}, 4,
                                       soft_clip=2.0)
     np.testing.assert_allclose(got.numpy(), np.concatenate(want), rtol=1e-5, atol=1e-6)
 
@@ -299,7 +303,7 @@ def test_ratio_is_exactly_one_before_the_first_update(model, precision, full, in
     o = vgrpo.rollout(run.family, run.family.transformer, cond, noise, run.sigmas, args)
     sig, eps = vgrpo.draw_pairs(run.sigmas, args.n_mc, run.family.latent_shape, ids, "batch", True, 0, 0)
     batch = {"o": o, "cond": cond, "sigmas": sig, "eps": eps}
-    s_old, x0_old = vgrpo.old_surrogate(run.family, run.family.transformer, batch, args, 2)
+    s_old, x0_old = vgrpo.old_surrogate(run.family, run.family.transformer, batch, args, 2, from_step=0)
     for k, idx in vgrpo.micro_batches(2, 4, inner_steps, micro_batch):
         if k > 0:
             break
@@ -326,27 +330,76 @@ def short_run(tmp_path_factory):
     return out, p
 
 
+def grid_pictures(path, groups, members, side=32):
+    """The uint8 images of a sample grid: rows of `members` pictures, upscaled 4x (nearest) to 128 px, with 14 px
+    for the prompt above and 12 px for the rewards below each row -> (groups * members, side, side, 3)."""
+    from PIL import Image
+    grid = np.asarray(Image.open(path).convert("RGB"))
+    assert grid.shape == (groups * (14 + 128 + 12), members * 128, 3)
+    out = []
+    for g in range(groups):
+        for m in range(members):
+            big = grid[g * 154 + 14:g * 154 + 142, m * 128:(m + 1) * 128]
+            small = big[::128 // side, ::128 // side]
+            assert (np.repeat(np.repeat(small, 128 // side, 0), 128 // side, 1) == big).all()   # nothing drawn on it
+            out.append(small)
+    return np.stack(out)
+
+
+def jpeg_kb(picture):
+    import io
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(picture).save(buf, "JPEG", quality=95)
+    return len(buf.getvalue()) / 1000
+
+
+def initial_lora():
+    """The LoRA a --no-full-finetune run of the tiny model starts from (seeded), keyed as in the saved file."""
+    from peft.utils import get_peft_model_state_dict
+    args = vgrpo.parse_args(["--no-full-finetune"])
+    family = vgrpo.load_family(args, torch.device("cpu"))
+    vgrpo.add_trainable_weights(family, args)
+    return {"transformer." + k: v for k, v in get_peft_model_state_dict(family.transformer).items()}
+
+
+@pytest.mark.slow
 def test_script_run_writes_its_outputs(short_run):
     out, p = short_run
     m = metrics(out)
     assert [x["iteration"] for x in m] == [1, 2, 3]
-    for x in m:
+    for x, it in zip(m, (1, 2, 3)):
         assert all(np.isfinite(v) for v in x.values())
-        assert x["ratio_dev_first"] == 0.0                 # exactly 1 before each iteration's first step
-        assert 0 < x["adv_abs_max"] < 3.0                   # soft clip eta = 3
-        assert x["reward_mean"] < 0
-    assert m[1]["ratio_max"] > 1.0 or m[1]["ratio_min"] < 1.0  # the second inner step sees moved weights
-    assert m[1]["kl"] > 0
+        assert x["skipped_steps"] == 0 and x["grad_norm"] > 0
+        assert x["kl"] > 0 and (x["ratio_max"] > 1.0 or x["ratio_min"] < 1.0)   # the 2nd inner step sees moved weights
+        # every logged reward and advantage statistic, recomputed from the 8 pictures in that iteration's grid:
+        # jpeg:100 = -100 kB / 500, advantages with the soft clip eta = 3
+        r = np.array([-100 * jpeg_kb(im) / 500 for im in grid_pictures(out / "samples" / f"iter-{it:05d}.png", 2, 4)])
+        groups = r.reshape(2, 4)
+        A = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-4)
+        A = 3 * np.tanh(A / 3)
+        assert x["reward_mean"] == pytest.approx(r.mean(), rel=1e-6)
+        assert x["reward_std"] == pytest.approx(r.std(), rel=1e-4)
+        assert x["reward_group_std"] == pytest.approx(groups.std(1).mean(), rel=1e-4)
+        assert x["adv_abs_max"] == pytest.approx(np.abs(A).max(), rel=1e-4)
+        assert x["adv_std"] == pytest.approx(A.std(), rel=1e-4)
+        assert x["adv_mean"] == pytest.approx(A.mean(), abs=1e-5)
     assert sum(line.startswith("it ") for line in p.stdout.splitlines()) == 3
     assert "batch: 2 prompts x 4 images = 8 samples" in p.stdout
-    from PIL import Image
     assert sorted(os.listdir(out / "samples")) == ["iter-00001.png", "iter-00002.png", "iter-00003.png"]
-    assert Image.open(out / "samples" / "iter-00001.png").size == (4 * 128, 2 * (14 + 128 + 12))
     ckpt = out / "checkpoint-3"
     assert {"pytorch_lora_weights.safetensors", "optimizer.pt", "state.json"} <= set(os.listdir(ckpt))
     assert json.loads((ckpt / "state.json").read_text())["iteration"] == 3
+    start, trained = initial_lora(), lora(out, 3)
+    assert trained.keys() == start.keys()
+    still = [k for k in start if torch.equal(trained[k], start[k])]
+    # the last MMDiT block discards its text stream, so its text queries get no gradient; all else trained
+    assert still == [f"transformer.transformer_blocks.1.attn.add_q_proj.lora_{ab}.weight" for ab in "AB"]
+    # AdamW moves a weight by about lr per step: 3 iterations x 2 inner steps at --lr 1e-3
+    assert 1e-3 < max((trained[k] - start[k]).abs().max().item() for k in start) < 6 * 1.1e-3
 
 
+@pytest.mark.slow
 def test_saved_lora_loads_into_stable_diffusion3_pipeline(short_run, tiny):
     out, _ = short_run
     pipe = vgrpo.build_tiny_sd3_pipeline()
@@ -368,30 +421,82 @@ def test_saved_lora_loads_into_stable_diffusion3_pipeline(short_run, tiny):
     assert torch.allclose(tuned, ours, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_processes_train_exactly_like_one(tmp_path):
+    """The default pair sharing (`batch`): one process or two, the same run bit for bit. Why exactly: the two
+    micro-batches of an optimizer step are the same rows either way, and halving a float is exact, so DDP's
+    average of two ranks' gradients equals one process's sum of two half-weighted micro-batches."""
     (tmp_path / "eval.txt").write_text("a red cube\na green ball\na blue cone\n")   # 3 prompts: 2 + 1 per rank
-    common = [*FAST, "--iterations", "2", "--inner-steps", "2", "--micro-batch", "2", "--pair-sharing", "group",
+    common = [*FAST, "--iterations", "2", "--inner-steps", "2", "--micro-batch", "2",
               "--eval-prompts", tmp_path / "eval.txt", "--eval-every", "2"]
     one = run_script(*common, "--output-dir", tmp_path / "one")
     two = run_script(*common, "--output-dir", tmp_path / "two", nproc=2)
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
     m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
-    assert m1[0]["reward_mean"] == m2[0]["reward_mean"]   # the same rollouts, bit for bit
+    assert [x["iteration"] for x in m1] == [x["iteration"] for x in m2] == [1, 2]
     for a, b in zip(m1, m2):
-        assert a["reward_std"] == pytest.approx(b["reward_std"], rel=1e-5)
-        assert a["ratio_max"] == pytest.approx(b["ratio_max"], rel=1e-5)
+        for key in ("reward_mean", "reward_std", "adv_abs_max", "adv_std", "grad_norm", "ratio_max", "ratio_min",
+                    "clip_frac"):
+            assert a[key] == b[key], (a["iteration"], key, a[key], b[key])
+        # means over micro-batches: float32 on one process, float64 over ranks on two; the policy loss is a
+        # near-cancelling mean of O(1) terms, so its rounding is absolute (~1e-8), not relative
+        assert a["policy_loss"] == pytest.approx(b["policy_loss"], rel=0, abs=1e-7)
+        assert a["ratio_mean"] == pytest.approx(b["ratio_mean"], rel=1e-6)
+    assert m1[1]["ratio_max"] > 1.0 or m1[1]["ratio_min"] < 1.0      # the 2nd inner step saw moved weights
     e1, e2 = (read(tmp_path / d / "eval.jsonl") for d in ("one", "two"))
     assert [x["iteration"] for x in e1] == [x["iteration"] for x in e2] == [0, 2]
-    assert e1[0]["eval_jpeg"] == pytest.approx(e2[0]["eval_jpeg"], rel=1e-12)     # the same images, summed over ranks
-    assert e1[1]["eval_jpeg"] == pytest.approx(e2[1]["eval_jpeg"], rel=1e-4)
-    w1, w2 = lora(tmp_path / "one", 2), lora(tmp_path / "two", 2)
-    assert w1.keys() == w2.keys()
-    for k in w1:
-        assert torch.allclose(w1[k], w2[k], rtol=1e-4, atol=1e-6), k
+    for a, b in zip(e1, e2):                                          # the same images, summed over ranks
+        assert a["eval_jpeg"] == pytest.approx(b["eval_jpeg"], rel=1e-12)
+    w1, w2, w0 = lora(tmp_path / "one", 2), lora(tmp_path / "two", 2), initial_lora()
+    assert w1.keys() == w2.keys() == w0.keys()
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert sum(not torch.equal(w1[k], w0[k]) for k in w1) > len(w1) / 2          # and training moved them
 
 
-@pytest.mark.parametrize("mode", ["--no-full-finetune --mixed-precision fp16", "--full-finetune"])
+@pytest.mark.slow
+def test_training_with_classifier_free_guidance(tmp_path):
+    """--guidance 3 on SD3: the rollouts are StableDiffusion3Pipeline's CFG images from the same noises (compared
+    in the saved grid, to the uint8 rounding), and the conditional surrogate trains on them."""
+    (tmp_path / "one.txt").write_text("a red apple\n")           # both groups get this prompt
+    p = run_script(*FAST, "--iterations", "2", "--guidance", "3", "--sampler", "euler", "--prompts",
+                   tmp_path / "one.txt", "--output-dir", tmp_path / "o")
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = metrics(tmp_path / "o")
+    assert all(x["skipped_steps"] == 0 and np.isfinite(x["grad_norm"]) and x["grad_norm"] > 0 for x in m)
+    got = grid_pictures(tmp_path / "o" / "samples" / "iter-00001.png", 2, 4).astype(int)
+    # the run's starting noises: keyed by (seed, "noise", iteration, prompt slot, member), on any number of ranks
+    noise = torch.stack([torch.randn(4, 16, 16, generator=vgrpo.keyed_generator(0, "noise", 0, j, k))
+                         for j in range(2) for k in range(4)])
+    pipe = vgrpo.build_tiny_sd3_pipeline()
+
+    def pictures(guidance):
+        images = pipe(prompt=["a red apple"] * 8, num_inference_steps=6, guidance_scale=guidance, latents=noise.clone(),
+                      height=32, width=32, max_sequence_length=8, output_type="np").images
+        return np.round(images * 255).astype(int)
+
+    assert np.abs(got - pictures(3.0)).max() <= 1
+    assert np.abs(got - pictures(1.0)).max() > 20               # and guidance changed them
+
+
+@pytest.mark.slow
+def test_pairs_shared_by_nobody_train(short_run, tmp_path):
+    """--pair-sharing none: the short run's flags for one iteration. Same rollouts and advantages (the pairs are
+    drawn after them); a different update, since every sample now has its own (sigma, eps) pairs."""
+    p = run_script(*FAST, "--inner-steps", "2", "--micro-batch", "2", "--beta", "0.1", "--adv-soft-clip", "3",
+                   "--iterations", "1", "--pair-sharing", "none", "--output-dir", tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    none, batch = metrics(tmp_path)[0], metrics(short_run[0])[0]
+    for key in ("reward_mean", "reward_std", "adv_abs_max", "adv_std"):
+        assert none[key] == batch[key], key
+    assert none["skipped_steps"] == 0 and np.isfinite(none["grad_norm"]) and none["kl"] > 0
+    assert none["grad_norm"] != pytest.approx(batch["grad_norm"], rel=1e-3)
+    assert none["kl"] != pytest.approx(batch["kl"], rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["--no-full-finetune --mixed-precision fp16",
+                                  "--no-full-finetune --mixed-precision bf16", "--full-finetune"])
 def test_resume_continues_exactly(tmp_path, mode):
     common = [*FAST, "--iterations", "4", "--save-every", "2", *mode.split()]
     full = run_script(*common, "--output-dir", tmp_path / "full")
@@ -413,6 +518,7 @@ def test_resume_continues_exactly(tmp_path, mode):
         assert torch.equal(w_full[k], w_part[k]), k
 
 
+@pytest.mark.slow
 def test_keep_last_and_resume_auto_skip_incomplete_checkpoints(tmp_path):
     p = run_script(*FAST, "--iterations", "4", "--save-every", "1", "--keep-last", "2", "--output-dir", tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -428,9 +534,10 @@ def test_keep_last_and_resume_auto_skip_incomplete_checkpoints(tmp_path):
     assert fresh.returncode == 0 and "resumed" not in fresh.stdout, fresh.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_default_command_learns(tmp_path):
     """The README's demo: `python vgrpo.py` on 2 CPU cores, the reward of the last 10 iterations clearly
-    above the first 10 (measured margins are in the README)."""
+    above the first 10."""
     env = {**ENV}
     env.pop("OMP_NUM_THREADS")
     p = subprocess.run([sys.executable, os.path.join(HERE, "vgrpo.py"), "--output-dir", str(tmp_path)],
@@ -438,10 +545,13 @@ def test_default_command_learns(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     r = [x["reward_mean"] for x in metrics(tmp_path)]
     first, last = np.mean(r[:10]), np.mean(r[-10:])
-    spread = np.mean([x["reward_std"] for x in metrics(tmp_path)[:10]])
-    assert last - first > spread, (first, last, spread)
+    # measured gains of this command: +0.075 (seed 0, 2 threads, the README's run), +0.085, +0.088, +0.078, +0.086
+    # (seeds 0-3, 1 thread); the reward's std within an iteration is 0.002. The bar is about half the smallest
+    # gain: a run that learns at half the speed, or not at all, fails.
+    assert last - first > 0.035, (first, last)
 
 
+@pytest.mark.slow
 def test_tiny_flux_trains_with_bf16_and_checkpointing_and_its_lora_loads_into_flux_pipeline(tmp_path, tiny_flux):
     p = run_script("--model", "tiny-flux", *FAST, "--inner-steps", "2", "--micro-batch", "2", "--mixed-precision",
                    "bf16", "--gradient-checkpointing", "--output-dir", tmp_path)
@@ -449,7 +559,7 @@ def test_tiny_flux_trains_with_bf16_and_checkpointing_and_its_lora_loads_into_fl
     assert "64 image tokens" in p.stdout and "bf16 matmuls" in p.stdout
     m = metrics(tmp_path)
     assert [x["iteration"] for x in m] == [1, 2, 3]
-    assert all(x["ratio_dev_first"] == 0.0 and np.isfinite(x["grad_norm"]) for x in m)
+    assert all(x["skipped_steps"] == 0 and np.isfinite(x["grad_norm"]) for x in m)
     assert any(x["ratio_max"] > 1.0 or x["ratio_min"] < 1.0 for x in m)  # the second inner step moved
     lora_file = lora(tmp_path, 3)
     assert any("single_transformer_blocks" in k for k in lora_file) and all(v.dtype == torch.float32 for v in lora_file.values())
@@ -505,6 +615,7 @@ def brightness(images, prompts):
 '''
 
 
+@pytest.mark.slow
 def test_jsonl_metadata_reaches_rewards_and_evaluation_is_deterministic(tmp_path):
     (tmp_path / "rw.py").write_text(PROMPT_REWARDS)
     (tmp_path / "train.jsonl").write_text('{"prompt": "a red square", "value": 1.0}\n'
@@ -541,20 +652,7 @@ def test_jsonl_metadata_reaches_rewards_and_evaluation_is_deterministic(tmp_path
         assert (tmp_path / "a" / "rewards.png").stat().st_size > 10_000
 
 
-def test_presets_set_the_papers_settings_and_explicit_flags_win():
-    args = vgrpo.parse_args(["--preset", "sd3-pickscore", "--lr", "1e-4"])
-    assert (args.model, args.reward, args.sample_steps, args.prompts_per_step, args.group_size) == \
-        ("sd3", "pickscore", 40, 48, 24)
-    assert (args.adv_soft_clip, args.lora_rank, args.lora_alpha, args.full_finetune, args.lr) == (3.0, 32, 64.0, False, 1e-4)
-    assert vgrpo.parse_args(["--preset", "sd3-pickscore"]).lr == 3e-4                       # LoRA
-    assert vgrpo.parse_args(["--preset", "flux-hpsv2", "--full-finetune"]).lr == 1e-5      # full fine-tuning
-    flux = vgrpo.parse_args(["--preset", "flux-hpsv2"])
-    assert (flux.model, flux.reward, flux.sample_steps, flux.sampler, flux.guidance, flux.inner_steps) == \
-        ("flux", "hpsv2", 16, "dpmpp2m", 3.5, 4)
-    for name in vgrpo.PRESETS:  # the printed configuration reproduces itself
-        a = vgrpo.parse_args(["--preset", name])
-        assert vgrpo.parse_args(shlex.split(vgrpo.command_line(a))) == dataclasses.replace(a, preset="")
-        vgrpo.validate(dataclasses.replace(a, output_dir=tempfile.mkdtemp()), 8)   # every preset runs on 8 GPUs
+# presets and model-dependent defaults: test_launch.py
 
 
 # --------------------------------------------------------------------------- rewards
@@ -640,6 +738,7 @@ def test_reward_spec_errors():
     (["--prompts", "/no/such/file.txt"], "prompt file not found"),
     (["--model", "stabilityai/stable-diffusion-3.5-medium"], "could not load"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_clear_line(flags, message, tmp_path):
     p = run_script(*flags, "--output-dir", tmp_path, timeout=300)
     assert p.returncode == 2
@@ -647,6 +746,7 @@ def test_bad_input_is_one_clear_line(flags, message, tmp_path):
     assert p.stderr.startswith("vgrpo: error: ") and message in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_prompts_that_do_not_split_over_processes_are_refused(tmp_path):
     p = run_script("--prompts-per-step", "3", "--micro-batch", "4", "--output-dir", tmp_path, nproc=2, timeout=300)
     assert p.returncode != 0
@@ -660,21 +760,38 @@ def test_prompts_that_do_not_split_over_processes_are_refused(tmp_path):
 
 FAULTY_REWARDS = '''
 import os
+import time
+
 import torch
 
 calls = [0]
+HERE = os.path.dirname(__file__)
 
 
 def brightness(images, prompts):
     return images.mean((1, 2, 3)).float()
 
 
-def nan_at_second_call(images, prompts):
+def nan_at_calls_1_and_3(images, prompts):
     calls[0] += 1
     r = brightness(images, prompts)
-    if calls[0] == 2:
+    if calls[0] in (1, 3):
         r[0] = float("nan")
     return r
+
+
+def nan_on_rank_1_at_call_2(images, prompts):
+    calls[0] += 1
+    r = brightness(images, prompts)
+    if calls[0] == 2 and os.environ["RANK"] == "1":
+        r[-1] = float("nan")
+    return r
+
+
+def brightness_noting_pid(images, prompts):
+    with open(os.path.join(HERE, f"pid-{os.environ['RANK']}"), "w") as f:   # the test signals one worker
+        f.write(str(os.getpid()))
+    return brightness(images, prompts)
 
 
 def always_nan(images, prompts):
@@ -687,6 +804,8 @@ def wrong_shape(images, prompts):
 
 def raise_on_rank_1(images, prompts):
     if os.environ.get("RANK") == "1":
+        with open(os.path.join(HERE, "raised_at"), "w") as f:
+            f.write(repr(time.time()))
         raise RuntimeError("reward exploded on purpose")
     return brightness(images, prompts)
 '''
@@ -699,18 +818,39 @@ def faulty(tmp_path):
     return str(path)
 
 
+@pytest.mark.slow
 def test_nan_reward_skips_the_update_on_that_iteration(tmp_path, faulty):
-    p = run_script(*FAST, "--reward", f"{faulty}:nan_at_second_call", "--save-every", "1", "--output-dir", tmp_path / "o")
+    # NaN at iterations 1 and 3 with --max-bad-steps 2: never 2 in a row, so the run goes on to the end
+    p = run_script(*FAST, "--iterations", "4", "--reward", f"{faulty}:nan_at_calls_1_and_3", "--max-bad-steps", "2",
+                   "--save-every", "1", "--output-dir", tmp_path / "o")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "iteration 2: non-finite values from" in p.stderr and "nan_at_second_call" in p.stderr
+    for it in (1, 3):
+        assert f"rank 0, iteration {it}: non-finite values from {faulty}:nan_at_calls_1_and_3" in p.stderr
     m = metrics(tmp_path / "o")
-    assert [x["skipped_steps"] for x in m] == [0, 1, 0]
-    before, skipped, after = (weights(tmp_path / "o", i) for i in (1, 2, 3))
-    assert all(torch.equal(before[k], skipped[k]) for k in before)       # iteration 2 left the weights alone
-    assert any(not torch.equal(skipped[k], after[k]) for k in before)    # iteration 3 trained again
-    assert all(torch.isfinite(v).all() for v in after.values())
+    assert [x["skipped_steps"] for x in m] == [1, 0, 1, 0]
+    assert np.isnan(m[0]["reward_mean"]) and np.isnan(m[0]["grad_norm"]) and np.isfinite(m[1]["grad_norm"])
+    w = [initial_lora()] + [weights(tmp_path / "o", i) for i in (1, 2, 3, 4)]
+    same = [all(torch.equal(w[i][k], w[i + 1][k]) for k in w[0]) for i in range(4)]
+    assert same == [True, False, True, False]             # iterations 1 and 3 left the weights alone
+    assert all(torch.isfinite(v).all() for v in w[4].values())
 
 
+@pytest.mark.slow
+def test_nan_reward_on_one_rank_skips_the_update_on_every_rank(tmp_path, faulty):
+    p = run_script(*FAST, "--reward", f"{faulty}:nan_on_rank_1_at_call_2", "--save-every", "1",
+                   "--output-dir", tmp_path, nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]            # no rank waited alone in a collective
+    assert "rank 1, iteration 2: non-finite values" in p.stderr and "rank 0, iteration 2" not in p.stderr
+    m = metrics(tmp_path)
+    assert [x["skipped_steps"] for x in m] == [0, 1, 0]   # averaged over ranks: both skipped
+    assert np.isnan(m[1]["reward_mean"]) and np.isfinite(m[2]["reward_mean"])
+    before, skipped, after = (weights(tmp_path, i) for i in (1, 2, 3))
+    assert all(torch.equal(before[k], skipped[k]) for k in before)
+    assert any(not torch.equal(skipped[k], after[k]) for k in before)
+    assert "vgrpo: done" in p.stdout
+
+
+@pytest.mark.slow
 def test_persistent_nan_stops_the_run_after_max_bad_steps(tmp_path, faulty):
     p = run_script(*FAST, "--reward", f"{faulty}:always_nan", "--max-bad-steps", "2", "--iterations", "6",
                    "--output-dir", tmp_path)
@@ -738,6 +878,22 @@ def test_nonfinite_gradient_skips_the_optimizer_step():
     assert stats["skipped_steps"] == 0 and any(not torch.equal(a, b) for a, b in zip(start, run.params))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_checkpoint_of_non_finite_weights_is_refused(tmp_path, bad):
+    args = vgrpo.parse_args(["--no-full-finetune", "--micro-batch", "4", "--output-dir", str(tmp_path)])
+    run, _ = vgrpo.build_run(args, 0, 1, torch.device("cpu"))
+    vgrpo.save_checkpoint(run, 1)                                                # finite: saved
+    with torch.no_grad():
+        run.params[-1].view(-1)[0] = bad                                         # one LoRA entry
+    with pytest.raises(vgrpo.FatalError, match="refusing to save non-finite weights at iteration 2"):
+        vgrpo.save_checkpoint(run, 2)
+    # no checkpoint-2, and no half-written checkpoint-2.tmp either
+    assert sorted(x for x in os.listdir(tmp_path) if x.startswith("checkpoint")) == ["checkpoint-1"]
+    assert vgrpo.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
+    assert all(torch.isfinite(v).all() for v in lora(tmp_path, 1).values())
+
+
+@pytest.mark.slow
 def test_reward_with_the_wrong_shape_is_named(tmp_path, faulty):
     p = run_script(*FAST, "--reward", f"jpeg,{faulty}:wrong_shape", "--output-dir", tmp_path)
     assert p.returncode == 1
@@ -745,17 +901,31 @@ def test_reward_with_the_wrong_shape_is_named(tmp_path, faulty):
                                                  "expected a float tensor of shape (8,)")
 
 
+def lines_in(path):
+    """Complete lines in a file another process may be appending to (0 while it does not exist)."""
+    return open(path).read().count("\n") if os.path.exists(path) else 0
+
+
+def wait_for(condition, timeout=300):
+    import time
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out waiting for the run"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_auto_continues(tmp_path):
     import signal
-    import time
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "vgrpo.py"), *FAST, "--iterations", "100",
                              "--save-every", "1000", "--output-dir", str(tmp_path)],
                             env=ENV, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(tmp_path / "metrics.jsonl") and len(metrics(tmp_path)) >= 2):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    try:
+        wait_for(lambda: lines_in(tmp_path / "metrics.jsonl") >= 2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
     assert proc.returncode == 0, err[-3000:]
     done = len(metrics(tmp_path))
     assert 2 <= done < 100 and f"stopped after iteration {done}" in out
@@ -765,16 +935,51 @@ def test_sigterm_saves_a_checkpoint_and_resume_auto_continues(tmp_path):
     assert [x["iteration"] for x in metrics(tmp_path)] == list(range(1, done + 2))
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_worker_stops_every_rank_at_a_checkpoint(tmp_path, faulty):
+    """Preemption may signal one process only (a node's agent, a user's kill): every rank must stop after the same
+    iteration, rank 0 must save, torchrun must exit 0, and --resume auto must continue on 2 processes."""
+    import signal
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(HERE, "vgrpo.py"), *FAST, "--iterations", "100", "--save-every", "1000",
+           "--reward", f"{faulty}:brightness_noting_pid", "--output-dir", str(out_dir)]
+    proc = subprocess.Popen(cmd, env=ENV, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: lines_in(out_dir / "metrics.jsonl") >= 1 and os.path.exists(tmp_path / "pid-1"))
+        worker = int((tmp_path / "pid-1").read_text())
+        assert worker not in (proc.pid, int((tmp_path / "pid-0").read_text()))
+        os.kill(worker, signal.SIGTERM)                    # rank 1 only; rank 0 and torchrun are not signalled
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count("SIGTERM received") == 1
+    done = len(metrics(out_dir))
+    assert 1 <= done < 100 and f"stopped after iteration {done}" in out
+    assert vgrpo.latest_checkpoint(str(out_dir)) == str(out_dir / f"checkpoint-{done}")
+    p = run_script(*FAST, "--iterations", done + 1, "--reward", f"{faulty}:brightness_noting_pid", "--resume", "auto",
+                   "--output-dir", out_dir, nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resumed from {out_dir / f'checkpoint-{done}'}" in p.stdout
+    assert [x["iteration"] for x in metrics(out_dir)] == list(range(1, done + 2))
+
+
+@pytest.mark.slow
 def test_one_failing_rank_stops_every_rank_quickly(tmp_path, faulty):
     import time
-    t0 = time.time()
     p = run_script(*FAST, "--reward", f"{faulty}:raise_on_rank_1", "--dist-timeout", "60", "--output-dir", tmp_path,
                    nproc=2, timeout=300)
+    stopped = time.time()
     assert p.returncode != 0
     assert "reward exploded on purpose" in p.stderr and "vgrpo: rank 1 failed" in p.stderr
-    assert time.time() - t0 < 150
+    # rank 0 waits in a collective for rank 1; left to --dist-timeout it would take 60 s more after the failure
+    assert stopped - float((tmp_path / "raised_at").read_text()) < 30
 
 
+@pytest.mark.slow
 def test_ranks_with_different_configurations_refuse_to_start(tmp_path):
     import socket
     with socket.socket() as s:
@@ -794,6 +999,7 @@ def test_ranks_with_different_configurations_refuse_to_start(tmp_path):
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
     (tmp_path / "latin1.txt").write_bytes("a cat\n\nun caf\xe9\n".encode("latin-1"))
     (tmp_path / "blank.txt").write_text("\n  \n")
@@ -809,7 +1015,7 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
         (["--prompts", tmp_path / "bad.jsonl"], 'line 2: expected an object with a "prompt" string'),
         (["--eval-every", "2"], "--eval-every needs --eval-prompts"),
         (["--mixed-precision", "fp8"], "unknown --mixed-precision 'fp8'"),
-        (["--preset", "sd4"], "unknown --preset 'sd4': valid choices are sd3-pickscore"),
+        (["--preset", "sd4"], "unknown --preset 'sd4': valid choices are sd3-preference"),
         (["--reward", "jpeg:1,jpeg:2"], "a reward is named twice"),
         (["--reward", f"{tmp_path / 'rw.py'}:mean"], "its metric name clashes"),
     ]
@@ -858,10 +1064,13 @@ def test_http_reward_against_a_local_server():
     server, url = _serve("ok", seen)
     try:
         images = _images()
-        got = reward.load_reward(url)(images, ["a", "b", "c", "d"])
+        metadata = [{"tag": "colors", "value": i} for i in range(4)]
+        got = reward.load_reward(url)(images, ["a", "b", "c", "d"], metadata)
         want = [np.asarray(im).mean() / 255 for im in reward.to_uint8_images(images)]
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
-        assert seen[0]["prompts"] == ["a", "b", "c", "d"] and len(seen[0]["metadata"]) == 4
+        assert seen[0]["prompts"] == ["a", "b", "c", "d"] and seen[0]["metadata"] == metadata
+        reward.load_reward(url)(images, ["a", "b", "c", "d"])           # a .txt prompt file: no metadata
+        assert seen[1]["metadata"] == [{}, {}, {}, {}]
         assert reward.parse_reward_spec(f"{url}:0.5,jpeg") == [(url, 0.5), ("jpeg", 1.0)]
     finally:
         server.shutdown()
@@ -896,13 +1105,24 @@ def test_http_reward_failures_name_the_server(mode):
             server.shutdown()
 
 
+@pytest.mark.slow
 def test_training_with_a_reward_server(tmp_path):
+    rows = [{"prompt": "a red square", "value": 1}, {"prompt": "a blue circle", "value": 2, "tag": "colors"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     seen = []
     server, url = _serve("ok", seen)
     try:
-        p = run_script(*FAST, "--iterations", "1", "--reward", url, "--output-dir", tmp_path)
+        p = run_script(*FAST, "--iterations", "1", "--reward", url, "--prompts", tmp_path / "p.jsonl",
+                       "--output-dir", tmp_path / "o")
     finally:
         server.shutdown()
     assert p.returncode == 0, p.stderr[-3000:]
     assert len(seen) == 1 and len(seen[0]["images"]) == 8
-    assert 0 < metrics(tmp_path)[0]["reward_mean"] < 1
+    # 2 prompts x 4 images: each image's prompt and its prompt file row, in the same order
+    assert sorted(seen[0]["prompts"]) == ["a blue circle"] * 4 + ["a red square"] * 4
+    assert seen[0]["metadata"] == [rows[["a red square", "a blue circle"].index(q)] for q in seen[0]["prompts"]]
+    import base64
+    import io
+    from PIL import Image
+    answers = [np.asarray(Image.open(io.BytesIO(base64.b64decode(b)))).mean() / 255 for b in seen[0]["images"]]
+    assert metrics(tmp_path / "o")[0]["reward_mean"] == pytest.approx(np.mean(answers), rel=1e-6)   # what it answered

@@ -1,0 +1,103 @@
+"""Mutation testing of the method's functions and the iteration's wiring against the fast tier, with mutmut 3.
+
+    python bench/mutation.py                         # every function of FUNCTIONS (about an hour on 2 CPU cores)
+    python bench/mutation.py update take             # some of them
+    python bench/mutation.py --survivors             # then: the diff of every surviving mutant
+
+mutmut turns each function of vgrpo.py into a trampoline that runs one mutant at a time, and runs the fast-tier tests
+that call the function (setup.cfg, [mutmut]). It leaves decorated functions alone, so sample_ode, rollout and
+old_surrogate, which are @torch.no_grad(), would never be mutated: the run works on a copy of the project in which
+those three are wrapped after their definition instead (`rollout = torch.no_grad()(rollout)`, the same function).
+Prints the score per function as a markdown table; bench/results/mutation.md holds the last one and the survivors.
+"""
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FUNCTIONS = ["group_advantages", "per_reward_advantages", "stratified_sigmas", "noisy_latents", "elbo_surrogate",
+             "vgrpo_loss", "draw_pairs", "sample_ode", "rollout", "surrogate", "old_surrogate", "update",
+             "micro_batches", "take", "train_iteration"]
+MUTMUT = os.path.join(os.path.dirname(sys.executable), "mutmut")  # its entry point (`python -m mutmut` re-imports)
+SKIP = shutil.ignore_patterns(".git", ".venv", "mutants", "runs", "__pycache__", ".pytest_cache", "hub_cache")
+
+
+def prepare(work, tests, deselect):
+    """A copy of the project in `work` whose @torch.no_grad() functions are wrapped after their definition;
+    `tests`, when given, replace setup.cfg's test files there, and `deselect` leaves some out (node ids)."""
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(HERE, work, ignore=SKIP)
+    if tests or deselect:
+        with open(os.path.join(work, "setup.cfg")) as f:
+            cfg = f.read()
+        cfg = re.sub(r"(pytest_add_cli_args_test_selection =\n)((?:    .*\n)+)", lambda m: m.group(1) + "".join(
+            f"    {t}\n" for t in tests or [line.strip() for line in m.group(2).splitlines()]) + "".join(
+            f"    --deselect\n    {t}\n" for t in deselect), cfg)
+        with open(os.path.join(work, "setup.cfg"), "w") as f:
+            f.write(cfg)
+    path = os.path.join(work, "vgrpo.py")
+    with open(path) as f:
+        source = f.read()
+    decorated = re.findall(r"^@torch\.no_grad\(\)\ndef (\w+)\(", source, flags=re.M)
+    source = re.sub(r"^@torch\.no_grad\(\)\n(?=def )", "", source, flags=re.M)
+    wraps = "".join(f"{name} = torch.no_grad()({name})\n" for name in decorated)
+    source = source.replace('\nif __name__ == "__main__":', f"\n{wraps}\n\nif __name__ == \"__main__\":", 1)
+    with open(path, "w") as f:
+        f.write(source)
+    return decorated
+
+
+def score(work, functions):
+    """mutmut's results -> {function: Counter(status)} for the functions asked."""
+    out = subprocess.run([MUTMUT, "results", "--all", "true"], cwd=work, capture_output=True,
+                         text=True, check=True).stdout
+    counts = collections.defaultdict(collections.Counter)
+    survivors = []
+    for line in out.splitlines():
+        m = re.match(r"\s*vgrpo\.x_(\w+)__mutmut_\d+: (.+)", line)
+        if m and m.group(1) in functions:
+            counts[m.group(1)][m.group(2)] += 1
+            if m.group(2) != "killed":
+                survivors.append(line.split(":")[0].strip())
+    return counts, survivors
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("functions", nargs="*", default=FUNCTIONS, help="functions of vgrpo.py to mutate")
+    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "vgrpo-mutation"),
+                   help="scratch copy of the project, where mutmut keeps its mutants/ and results")
+    p.add_argument("--max-children", type=int, default=1, help="mutants tested at once (2 cores: 1 leaves room)")
+    p.add_argument("--tests", nargs="+", help="test files or node ids instead of setup.cfg's (all must pass)")
+    p.add_argument("--deselect", action="append", default=[], help="a test node id to leave out (repeatable)")
+    p.add_argument("--survivors", action="store_true", help="only print the diffs of the last run's survivors")
+    a = p.parse_args()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    if not a.survivors:
+        print("wrapped after definition:", ", ".join(prepare(a.work, a.tests, a.deselect)), flush=True)
+        patterns = [f"vgrpo.x_{name}__mutmut_*" for name in a.functions]
+        subprocess.run([MUTMUT, "run", "--max-children", str(a.max_children), *patterns],
+                       cwd=a.work, env=env, check=True)
+    counts, survivors = score(a.work, a.functions)
+    if a.survivors:
+        for name in survivors:
+            print(subprocess.run([MUTMUT, "show", name], cwd=a.work, capture_output=True,
+                                 text=True).stdout)
+        return
+    print("| function | mutants | killed | survived | other |\n| --- | --- | --- | --- | --- |")
+    for name in a.functions:
+        c = counts[name]
+        other = ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("killed", "survived"))
+        print(f"| {name} | {sum(c.values())} | {c['killed']} | {c['survived']} | {other} |")
+    total = sum(counts.values(), collections.Counter())
+    print(f"| all | {sum(total.values())} | {total['killed']} | {total['survived']} | |")
+
+
+if __name__ == "__main__":
+    main()

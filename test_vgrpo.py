@@ -541,14 +541,15 @@ def test_default_command_learns(tmp_path):
     env = {**ENV}
     env.pop("OMP_NUM_THREADS")
     p = subprocess.run([sys.executable, os.path.join(HERE, "vgrpo.py"), "--output-dir", str(tmp_path)],
-                       env=env, cwd=HERE, capture_output=True, text=True, timeout=900)
+                       env=env, cwd=HERE, capture_output=True, text=True,
+                       timeout=1800)   # 2.5 min on 2 idle cores; 20 min measured on 2 cores shared with 6 jobs
     assert p.returncode == 0, p.stderr[-3000:]
     r = [x["reward_mean"] for x in metrics(tmp_path)]
     first, last = np.mean(r[:10]), np.mean(r[-10:])
-    # measured gains of this command: +0.075 (seed 0, 2 threads, the README's run), +0.085, +0.088, +0.078, +0.086
-    # (seeds 0-3, 1 thread); the reward's std within an iteration is 0.002. The bar is about half the smallest
-    # gain: a run that learns at half the speed, or not at all, fails.
-    assert last - first > 0.035, (first, last)
+    # measured gains of this command: +0.068 and +0.075 (seed 0, 2 threads, two versions of the code), +0.085,
+    # +0.088, +0.078, +0.086 (seeds 0-3, 1 thread); the reward's std within an iteration is 0.002. The bar is
+    # half the smallest gain: a run that learns at half the speed, or not at all, fails.
+    assert last - first > 0.033, (first, last)
 
 
 @pytest.mark.slow
@@ -1010,7 +1011,7 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
         (["--prompts", tmp_path / "latin1.txt"], "line 3: not UTF-8"),
         (["--prompts", tmp_path / "blank.txt"], "has no prompts"),
         (["--output-dir", tmp_path / "a_file" / "out"], "is not writable"),
-        (["--resume", short_run[0] / "checkpoint-3", "--no-full-finetune", "--lora-rank", "8"],
+        (["--resume", short_run[0] / "checkpoint-3", "--no-full-finetune", "--lora-rank", "8", "--iterations", "4"],
          "belongs to a different configuration: --lora-rank 32 there, 8 here"),
         (["--prompts", tmp_path / "bad.jsonl"], 'line 2: expected an object with a "prompt" string'),
         (["--eval-every", "2"], "--eval-every needs --eval-prompts"),
@@ -1020,7 +1021,7 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
         (["--reward", f"{tmp_path / 'rw.py'}:mean"], "its metric name clashes"),
     ]
     for flags, message in cases:
-        p = run_script("--output-dir", tmp_path / "out", *flags, "--iterations", "1", timeout=300)
+        p = run_script("--output-dir", tmp_path / "out", "--iterations", "1", *flags, timeout=300)  # flags win
         assert p.returncode == 2, (flags, p.stderr[-2000:])
         assert p.stderr.strip().startswith("vgrpo: error: ") and message in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr

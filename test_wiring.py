@@ -5,8 +5,10 @@ The formulas alone are tested in test_vgrpo.py. Everything runs in-process on th
 (no subprocess), a few seconds per test: `pytest -m "not slow"` runs these with the other fast tests.
 
 Calls into vgrpo that an API change could break are kept in the helpers below (make_args, new_run,
-old_values_then_update), so such a change is a one-place fix; the tests pin behaviour (weights after an
-update, advantages, which sigma / eps / conditioning each sample gets, returned metrics), not call sequences."""
+old_values_then_update, checkpoint_round_trip, call_old_surrogate, call_rollout), so such a change is a one-place
+fix; the tests pin behaviour (weights after an update, advantages, which sigma / eps / conditioning each sample
+gets, returned metrics), not call sequences. Where a test needs a tensor on another device than the CPU, "meta"
+stands in for a GPU. bench/mutation.py measures how many injected bugs these tests catch."""
 
 import base64
 import copy
@@ -389,7 +391,8 @@ def test_dpmpp2m_is_first_order_exactly_where_the_step_more_than_doubles():
     got = vgrpo.sample_ode(velocity, z, sigmas, "dpmpp2m")                # its state is float32
     assert (got - want).abs().max() < 1e-6
     assert (reference_sample(velocity, z, sigmas, "dpmpp2m", min_r=0) - want).abs().max() > 1e-3  # the guard matters
-    assert (vgrpo.sample_ode(velocity, z, sigmas, "euler") - reference_sample(velocity, z, sigmas, "euler")).abs().max() < 1e-6
+    euler = vgrpo.sample_ode(velocity, z, sigmas, "euler")
+    assert (euler - reference_sample(velocity, z, sigmas, "euler")).abs().max() < 1e-6
 
 
 # --------------------------------------------------------------------------- the surrogate on the model
@@ -407,9 +410,10 @@ def test_surrogate_calls_the_transformer_at_1000_sigma_with_each_samples_conditi
     with torch.no_grad():
         s, x0 = vgrpo.surrogate(family, family.transformer, o, sig, eps, (emb, pooled), weighting)
         # one (sample, pair) at a time: row b must see sigma[b, j], eps[b, j] and sample b's conditioning
-        v = torch.stack([torch.stack([velocity(family.transformer, ((1 - sig[b, j]) * o[b] + sig[b, j] * eps[b, j])[None],
-                                               sig[b, j], emb[b:b + 1], pooled[b:b + 1])[0] for j in range(2)])
-                         for b in range(3)])
+        s_ = sig.view(3, 2, *[1] * (o.dim() - 1))
+        x = (1 - s_) * o[:, None] + s_ * eps
+        v = torch.stack([torch.stack([velocity(family.transformer, x[b, j][None], sig[b, j], emb[b:b + 1],
+                                               pooled[b:b + 1])[0] for j in range(2)]) for b in range(3)])
     want_s, want_x0 = numpy_surrogate(*(t.double().numpy() for t in (v, o, sig, eps)), weighting)
     assert s.shape == (3,) and s.dtype == torch.float32
     np.testing.assert_allclose(s.numpy(), want_s, rtol=1e-4)
@@ -600,8 +604,8 @@ def make_redness(seen):
 ITERATION_CASES = {
     "batch pairs, soft clip, summed rewards": (["--pair-sharing", "batch", "--adv-soft-clip", "1.0"],
                                                {"brightness": 100.0, "redness": 0.5}),
-    "per-reward with a single reward: the sum's advantage": (["--reward-advantage", "per-reward", "--sample-steps", "2"],
-                                                             {"brightness": 100.0}),
+    "per-reward with a single reward: the sum's advantage": (
+        ["--reward-advantage", "per-reward", "--sample-steps", "2"], {"brightness": 100.0}),
     "group pairs, unstratified, per-reward, 2 clipped steps": (
         ["--pair-sharing", "group", "--no-stratified", "--reward-advantage", "per-reward", "--inner-steps", "2",
          "--micro-batch", "2", "--sample-batch", "3", "--beta", "1", "--clip-eps", "0.01"],
@@ -726,7 +730,8 @@ def test_a_non_finite_reward_or_advantage_skips_the_update_and_says_why(sd3, out
     assert torch.equal(weights(sd3.transformer), start)
     assert stats["skipped_steps"] == 2 and stats["time_old"] == stats["time_update"] == 0
     assert all(math.isnan(stats[k]) for k in ("policy_loss", "kl", "clip_frac", "ratio_min", "ratio_max", "grad_norm"))
-    assert 0 < stats["time_rollout"] and 0 <= stats["time_reward"] and stats["time_rollout"] + stats["time_reward"] <= elapsed
+    assert 0 < stats["time_rollout"] and 0 <= stats["time_reward"]
+    assert stats["time_rollout"] + stats["time_reward"] <= elapsed
     assert f"iteration {IT + 1}: non-finite values from {names}; update skipped" in capsys.readouterr().err
 
 

@@ -586,6 +586,7 @@ class Family:
             chunks = [self.encode_texts(unique[i:i + batch_size]) for i in range(0, len(unique), batch_size)]
             stored = [torch.cat([chunk[k] for chunk in chunks]).cpu() for k in range(len(first))]
             if write:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 torch.save({"key": key, "prompts": unique, "embeddings": stored}, path + ".tmp")
                 os.replace(path + ".tmp", path)
         pin = self.device.type == "cuda"  # pinned host memory: the per-iteration copies run asynchronously
@@ -1126,12 +1127,12 @@ def save_checkpoint(run, iteration):
     args, family, master = run.args, run.family, run.rank == 0
     final = os.path.join(args.output_dir, f"checkpoint-{iteration}")
     tmp = final + ".tmp"
-    if master:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
     weights = trained_weights(run)
     if master and not all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()):
         raise FatalError(f"refusing to save non-finite weights at iteration {iteration}")
+    if master:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     if master and args.full_finetune:
         from huggingface_hub import save_torch_state_dict
 

@@ -9,8 +9,8 @@ steps, N_MC = 4, sampling passes and micro-batches of 16 samples, full fine-tuni
 "Before" is vgrpo.py as of commit BEFORE (read from git, imported under another module name, with its reward.py),
 "after" is vgrpo.py as it is now; both build the same tiny model (one pipeline, deep-copied). Every ratio comes
 from contenders run alternately, in rotating order, timed in CPU seconds of this process (what the wall clock reads
-on an idle machine, and less disturbed by other processes on a shared one); a ratio is the median of the per-round
-ratios, with their interquartile range as the spread.
+on an idle machine; the wall clock's ratio is reported beside it); a ratio is the median of the per-round ratios,
+with their interquartile range as the spread.
 
   iteration  vgrpo's train_iteration + iteration_metrics (what the training loop does every iteration) before and
              after, divided by the floor: StableDiffusion3Pipeline.__call__ (its Euler sampler, VAE decoding) on
@@ -19,12 +19,13 @@ ratios, with their interquartile range as the spread.
              reward, pairs + old surrogate, update, bookkeeping (everything else: noise, prompt order,
              statistics) against the pipeline's denoising loop, its decoding and the flow-matching step
   dispatch   aten operations dispatched per sampling forward (the launch-overhead proxy): a rollout's operations
-             (TorchDispatchMode) over its transformer calls, split into the transformer's own and the glue around it
-  syncs      aten::_local_scalar_dense (.item(), float(t), bool(t): a host-device synchronisation on a GPU) per
-             iteration, at two micro-batch sizes
+             (TorchDispatchMode) over its transformer calls, split into the transformer's own and the glue around
+             it; and, with the rollout run on the meta device, its copies from host tensors to the device
+  syncs      aten::_local_scalar_dense (.item(), float(t), bool(t): a host-device synchronisation on a GPU when the
+             tensor lives there) per iteration, at two micro-batch sizes, and how many of them AdamW's CPU loop makes
   peft       LoRA on a bf16 base (the real models' setting): per sampling forward, the operations and time that
              peft's casting of each adapter's input to the adapters' float32 costs, against casting disabled,
-             adapters cast to bf16 for sampling, and no LoRA branch at all (merged weights: the lower bound)
+             adapters cast to bf16 for sampling, and the LoRA branch off (what merged weights would cost)
   update     vgrpo.update / a plain flow-matching step, and / a bare forward+backward (issue 5)
   rollout    vgrpo.rollout (Euler, DPM-Solver++) / the pipeline in one batch; Euler's latents must agree exactly
   memory     peak bytes of live tensors (torch.profiler) and peak RSS growth of a fresh process, V-GRPO step
@@ -127,9 +128,9 @@ def iteration_inputs(run, it):
 
 
 def clock():
-    """CPU seconds of this process. With one torch thread this is what the wall clock reads on an idle machine;
-    other processes sharing the cores still change it (shared caches, a busy sibling hyperthread), but less than
-    the wall clock, which also counts the time they hold the core."""
+    """CPU seconds of this process: with one torch thread, what the wall clock reads on an idle machine, without
+    the time other processes hold the core. They still change it (shared caches, a busy sibling hyperthread), so
+    contenders are alternated all the same."""
     return time.process_time()
 
 

@@ -135,3 +135,30 @@ def test_a_store_that_would_not_fit_falls_back_to_encoding_on_demand(tmp_path):
     assert not family.encode_all(["a cat", "a dog"], str(tmp_path / "e.pt"))
     assert family._store is None and not (tmp_path / "e.pt").exists() and family.text_encoders()
     assert family.encode(["a fox"])[0].shape[0] == 1 and "a fox" in family._cache
+
+
+def test_lora_inputs_are_not_cast_to_float32_under_autocast_and_nothing_else_changes():
+    """A bf16 base with float32 LoRA: peft would cast every adapter's input to float32 and autocast would cast it
+    back. Switched off, a forward dispatches one cast fewer per LoRA layer, with the same output and gradients."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    run = build(mixed_precision="bf16", full_finetune=False, lora_rank=4)
+    family = run.family
+    layers = [m for m in family.transformer.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers and all(m.cast_input_dtype_enabled is False for m in layers)
+    x = torch.randn(2, *family.latent_shape, generator=torch.Generator().manual_seed(0))
+    cond = family.encode(["a red cube", "a blue sphere"])
+
+    def forward_and_grads():
+        with CountOps() as ops:
+            v = family.velocity(family.transformer, x, torch.tensor([0.3, 0.7]), cond)
+        grads = torch.autograd.grad(v.square().mean(), run.params)
+        return v.detach(), grads, ops.counts["aten._to_copy"]
+
+    v_off, grads_off, casts_off = forward_and_grads()
+    for m in layers:
+        m.cast_input_dtype_enabled = True
+    v_on, grads_on, casts_on = forward_and_grads()
+    assert casts_on - casts_off >= len(layers)
+    assert torch.equal(v_off, v_on)
+    assert all(torch.equal(a, b) for a, b in zip(grads_off, grads_on))

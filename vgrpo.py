@@ -895,6 +895,14 @@ def add_trainable_weights(family, args):
             torch.manual_seed(args.seed)  # the same LoRA init on every rank
             transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                                init_lora_weights="gaussian", target_modules=family.lora_targets))
+        if family.amp_dtype is not None:
+            # peft casts each LoRA layer's input up to the adapter's float32 and autocast casts it back down for the
+            # matmul: a copy of the activations per layer per forward, for the same result (bench/results/cost.md)
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            for layer in transformer.modules():
+                if isinstance(layer, BaseTunerLayer):
+                    layer.cast_input_dtype_enabled = False
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:  # trained weights stay float32 even when the frozen base is bf16 (AdamW needs the precision)
         p.data = p.data.float()

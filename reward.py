@@ -525,6 +525,17 @@ def parse_reward_spec(spec):
     return parts
 
 
+def metric_name(reward_name):
+    """A reward's name as a metric / CSV column: 'pickscore', 'my_rewards.py:colour' -> 'colour',
+    'http://host:8000/geneval' -> 'geneval' (the host when there is no path)."""
+    if ".py:" in reward_name:
+        reward_name = reward_name.rpartition(":")[2]
+    elif "://" in reward_name:
+        rest = reward_name.split("://", 1)[1]
+        reward_name = rest.rstrip("/").rpartition("/")[2] if "/" in rest.rstrip("/") else rest.split(":")[0]
+    return re.sub(r"\W+", "_", reward_name).strip("_")
+
+
 def accepts_metadata(fn):
     """True when fn can be called as fn(images, prompts, metadata=...): a `metadata` parameter or **kwargs."""
     try:

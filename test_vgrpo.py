@@ -308,7 +308,7 @@ def test_ratio_is_exactly_one_before_the_first_update(model, precision, full, in
         if k > 0:
             break
         s_new, x0_new = vgrpo.surrogate(run.family, run.model, o[idx], sig[idx], eps[idx],
-                                        vgrpo.take(cond, idx), args.weighting)
+                                        vgrpo.rows_of(cond, idx), args.weighting)
         assert s_new.requires_grad and s_new.dtype == torch.float32   # the surrogate stays float32
         assert torch.equal(torch.exp(s_new - s_old[idx]), torch.ones(len(idx)))
         assert torch.equal(x0_new, x0_old[idx])

@@ -311,10 +311,10 @@ def test_micro_batches_take_each_inner_steps_members_of_every_group():
 
 def test_take_repeats_each_row_for_its_pairs():
     a, b = torch.arange(5.0)[:, None] * torch.ones(5, 2), torch.arange(10, 15)
-    got = vgrpo.take((a, b), torch.tensor([3, 1]), 2)
+    got = vgrpo.rows_of((a, b), torch.tensor([3, 1]), 2)
     assert torch.equal(got[0], torch.tensor([[3.0, 3], [3, 3], [1, 1], [1, 1]]))
     assert torch.equal(got[1], torch.tensor([13, 13, 11, 11]))
-    assert torch.equal(vgrpo.take((b,), torch.tensor([4, 0]))[0], torch.tensor([14, 10]))
+    assert torch.equal(vgrpo.rows_of((b,), torch.tensor([4, 0]))[0], torch.tensor([14, 10]))
 
 
 def test_vgrpo_loss_has_no_kl_term_unless_given_a_beta_and_stays_on_the_device():

@@ -36,6 +36,9 @@ Where this code fills a gap in, or departs from, the paper:
     not say, and `per-reward` (each reward's group advantage, then the weighted sum) is MixGRPO's choice.
 """
 
+
+from __future__ import annotations
+
 import collections
 import contextlib
 import copy
@@ -60,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 import reward as rewards_lib
+
 
 # --------------------------------------------------------------------------- arguments
 
@@ -143,6 +147,8 @@ class Args:
 # DPM-Solver++, several clipped steps per iteration; 12 images per prompt at 720 px (MixGRPO's setting on the same
 # benchmark). The tiny CPU models are fully fine-tuned at 2e-3: LoRA on their few weights learns far less in minutes.
 _REAL = dict(mixed_precision="bf16", gradient_checkpointing=True, full_finetune=False, save_every=25)
+
+
 RECIPES = {
     "sd3": dict(_REAL, reward="pickscore", resolution=512, sample_steps=40, guidance=1.0, iterations=150,
                 prompts_per_step=48, group_size=24, inner_steps=1, adv_soft_clip=3.0, sample_batch=24),
@@ -155,8 +161,14 @@ RECIPES = {
                       prompts_per_step=4, group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no",
                       gradient_checkpointing=False, full_finetune=True, save_every=50, prompts="", sample_batch=16),
 }
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
 TRAIN_PROMPTS = os.path.join(HERE, "prompts", "train.txt")  # a real model's prompts when --prompts is not given
+
+
 # Named stages of the paper's curriculum: a model and a reward (and what the stage changes); the model's recipe
 # fills in the rest, and explicit flags override both.
 PRESETS = {
@@ -184,6 +196,481 @@ def resolve_defaults(args):
     return args
 
 
+# --------------------------------------------------------------------------- the method
+# Time convention (SD3 / FLUX rectified flow): sigma = 1 is pure noise, sigma = 0 is data,
+#   x_sigma = (1 - sigma) * o + sigma * eps,  the network predicts v = eps - o,  timestep = 1000 * sigma.
+
+
+def group_advantages(rewards, group_size, eps=1e-4, soft_clip=None):
+    """GRPO advantages: A_i = (r_i - mean_group) / (std_group + eps), population std (docs/method.md, step 2).
+
+    rewards (P*G,) ordered group by group. A group whose rewards are all equal gets exactly 0.
+    soft_clip=eta applies soft_clip_advantages.
+    """
+    if group_size < 2:
+        raise ValueError(f"group_size must be at least 2, got {group_size}")
+    r = rewards.float().view(-1, group_size)                           # (P, G)
+    A = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)
+    A = A.masked_fill((r == r[:, :1]).all(1, keepdim=True), 0.0)       # mean of equal floats can be inexact
+    return soft_clip_advantages(A.view(-1), soft_clip)
+
+
+def per_reward_advantages(parts, weights, group_size, eps=1e-4, soft_clip=None):
+    """Several rewards combined after normalisation (MixGRPO's choice): A = sum_k w_k A(r_k) / sum_k |w_k|,
+    each reward's group advantage computed alone, so a reward with a large scale cannot drown the others.
+    Dividing by the weights' sum keeps A on the scale of one advantage, whatever the weights (`jpeg:100`
+    scales a reward, it should not scale the step). parts: {name: (P*G,)}; weights: {name: w}."""
+    A = sum(w * group_advantages(parts[name], group_size, eps) for name, w in weights.items())
+    return soft_clip_advantages(A / sum(abs(w) for w in weights.values()), soft_clip)
+
+
+def soft_clip_advantages(A, eta):
+    """eta * tanh(A / eta): advantages bounded by eta, nearly unchanged where |A| << eta; the paper's step control
+    for its on-policy SD3.5 runs. eta None or 0: A unchanged."""
+    return eta * torch.tanh(A / eta) if eta else A
+
+
+def stratified_sigmas(sigma_grid, n, generator=None):
+    """Stratified noise levels (docs/method.md, step 3): the rollout's sigma grid without its final 0, split into
+    n contiguous chunks (torch.tensor_split), one grid value drawn uniformly from each chunk -> (n,).
+    Every draw covers high, middle and low noise, which removes most of the surrogate's variance."""
+    chunks = torch.tensor_split(noise_levels(sigma_grid), n)
+    return torch.stack([c[torch.randint(len(c), (), generator=generator)] for c in chunks])
+
+
+def noise_levels(sigma_grid):
+    """The sigmas the pairs draw from: the rollout's grid without its final 0 (no noise, nothing to denoise)."""
+    return sigma_grid[:-1] if sigma_grid[-1] == 0 else sigma_grid
+
+
+def per_pair(sigmas, o):
+    """sigmas (B, N) shaped to broadcast over the pairs' latents (B, N, *lat) of samples o (B, *lat)."""
+    return sigmas.view(*sigmas.shape, *[1] * (o.dim() - 1))
+
+
+def noisy_latents(o, sigmas, eps):
+    """x_sigma = (1 - sigma) o + sigma eps for every pair: o (B, *lat), sigmas (B, N), eps (B, N, *lat)."""
+    sigma = per_pair(sigmas, o)
+    return (1 - sigma) * o.unsqueeze(1) + sigma * eps
+
+
+def elbo_surrogate(v_pred, o, sigmas, eps, weighting="adaptive"):
+    """ELBO surrogate of log pi(o | c) (docs/method.md, step 4), in float32.
+
+    v_pred (B, N, *lat): velocity predictions at x = (1 - sigma) o + sigma eps for the N pairs.
+    Returns (s, x0_hat): s (B,) = -mean_j l(o, sigma_j, eps_j) with the adaptive weighting
+    l = mean_d (x0_hat - o)^2 / stopgrad(mean_d |x0_hat - o|), or the plain MSE with weighting="none";
+    x0_hat (B, N, *lat) = x - sigma * v_pred, the model's x-prediction.
+    """
+    v_pred, o, sigmas, eps = v_pred.float(), o.float(), sigmas.float(), eps.float()
+    # x0_hat - o = (1 - sigma) o + sigma eps - sigma v_pred - o = sigma (eps - o - v_pred): the x-prediction's
+    # error is sigma times the velocity's (the flow-matching target is eps - o); no noisy latent needed
+    err = per_pair(sigmas, o) * (eps - o.unsqueeze(1) - v_pred)
+    x0_hat = o.unsqueeze(1) + err
+    dims = tuple(range(2, err.dim()))
+    loss = err.pow(2).mean(dims)                                       # (B, N)
+    if weighting == "adaptive":
+        loss = loss / err.abs().mean(dims).detach().clamp_min(1e-8)
+    elif weighting != "none":
+        raise ValueError(f"unknown weighting {weighting!r}")
+    return -loss.mean(1), x0_hat
+
+
+def vgrpo_loss(s_new, s_old, advantages, clip_eps, beta=0.0, x0_new=None, x0_old=None):
+    """PPO-clip on the surrogate ratio plus an optional KL to the sampling policy (docs/method.md, step 6).
+
+    ratio = exp(s_new - s_old); loss = -mean(min(ratio A, clamp(ratio, 1 - clip_eps, 1 + clip_eps) A))
+    + beta * mean((x0_new - x0_old)^2), the KL to the sampling policy taken as the mean squared difference of
+    the two x-predictions on the same pairs (logged as `kl`). Returns (loss, stats); stats are detached 0-dim tensors, so that a
+    caller on a GPU reads them once per iteration instead of synchronising at every micro-batch.
+    """
+    ratio = torch.exp(s_new - s_old)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    policy_loss = -torch.min(unclipped, clipped).mean()
+    kl = (x0_new - x0_old).pow(2).mean() if x0_new is not None else torch.zeros((), device=ratio.device)
+    loss = policy_loss + beta * kl
+    stats = {  # clip_frac: ratios outside [1 - clip_eps, 1 + clip_eps], whether or not the clip binds for A's sign
+        "policy_loss": policy_loss, "kl": kl, "clip_frac": ((ratio - 1).abs() > clip_eps).float().mean(),
+        "ratio_mean": ratio.mean(), "ratio_min": ratio.min(), "ratio_max": ratio.max(),
+    }
+    return loss, {name: value.detach() for name, value in stats.items()}
+
+
+def keyed_generator(*key):
+    """A CPU generator seeded by a hash of `key`: draws depend on what they are for, not on call order,
+    rank or world size, so 1 or 2 processes and a resumed run all see the same numbers."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def draw_pairs(sigma_grid, n_mc, latent_shape, sample_ids, sharing, stratified, seed, iteration, device="cpu"):
+    """The N_MC (sigma, eps) pairs of each sample (docs/method.md, step 3), shared as `sharing` says.
+
+    sample_ids: (global prompt index, member) of each local sample. batch: one draw for everyone on every
+    rank; group: one draw per prompt group; none: one per sample. -> sigmas (B, N), eps (B, N, *lat) on
+    `device`; with batch sharing eps is one draw expanded over the batch (no per-sample copies).
+    """
+    grid = noise_levels(sigma_grid)
+    keys = [{"batch": (), "group": (p,), "none": (p, m)}[sharing] for p, m in sample_ids]
+    draws = {}
+    for key in dict.fromkeys(keys):  # one draw per distinct key, keyed so that any rank gets the same one
+        g = keyed_generator(seed, "pairs", iteration, *key)
+        sig = stratified_sigmas(grid, n_mc, g) if stratified else grid[torch.randint(len(grid), (n_mc,), generator=g)]
+        draws[key] = (sig.to(device), torch.randn((n_mc, *latent_shape), generator=g).to(device))
+    if len(draws) == 1:
+        sig, eps = draws[keys[0]]
+        return sig.expand(len(keys), *sig.shape), eps.expand(len(keys), *eps.shape)
+    return torch.stack([draws[k][0] for k in keys]), torch.stack([draws[k][1] for k in keys])
+
+
+@torch.no_grad()
+def sample_ode(velocity, noise, sigmas, sampler="dpmpp2m"):
+    """Integrate the probability-flow ODE from sigmas[0] (noise) to sigmas[-1] = 0 -> the clean latent o.
+
+    velocity(x, sigma) -> v. `euler` is StableDiffusion3Pipeline's FlowMatchEulerDiscreteScheduler step;
+    `dpmpp2m` is DPM-Solver++(2M) on the data prediction x0 = x - sigma v with alpha = 1 - sigma and
+    lambda = log(alpha / sigma); as in diffusers' DPMSolverMultistepScheduler it is first order at the first
+    step (sigma = 1, lambda = -inf) and at the last (to sigma = 0), and also wherever the step in lambda
+    is more than twice the previous one (the pipelines' grids jump from sigma_min to 0 so; extrapolating
+    over it is worse than Euler). Any ODE solver is allowed: V-GRPO never needs per-step log-probabilities.
+
+    sigmas: the grid on the CPU. The solver's coefficients are Python floats and the model gets the grid copied
+    to the device once, so no step waits for a host-device copy.
+    """
+    x, x0_prev, h_prev = noise, None, None
+    grid, on_device = sigmas.tolist(), sigmas.to(noise.device)
+    euler_dt = (sigmas[1:] - sigmas[:-1]).tolist()  # float32 differences, exactly the Euler scheduler's step
+    for i in range(len(grid) - 1):
+        sigma, sigma_next = grid[i], grid[i + 1]
+        v = velocity(x, on_device[i])
+        if sampler == "euler":
+            x = (x.float() + euler_dt[i] * v.float()).to(v.dtype)
+            continue
+        x0 = x.float() - sigma * v.float()
+        if sigma_next == 0:
+            x = x0.to(x.dtype)
+            break
+        alpha, alpha_next = 1 - sigma, 1 - sigma_next
+        # first-order (DDIM) coefficient of D: alpha_next * (1 - exp(-h)), written to stay finite at sigma = 1
+        coef = alpha_next - sigma_next * alpha / sigma
+        h = math.log(alpha_next / sigma_next) - (math.log(alpha / sigma) if alpha > 0 else -math.inf)
+        D = x0
+        r = h_prev / h if x0_prev is not None else 0.0
+        if r >= 0.5:  # second order only when the last step was comparable (inf at the first: 1st order)
+            D = (1 + 1 / (2 * r)) * x0 - 1 / (2 * r) * x0_prev
+        x = ((sigma_next / sigma) * x.float() + coef * D).to(x.dtype)
+        x0_prev, h_prev = x0, h
+    return x
+
+
+# --------------------------------------------------------------------------- one iteration
+
+
+@dataclass
+class Run:
+    """Everything an iteration needs, made once at start by build_run."""
+    args: Args
+    family: Family
+    model: torch.nn.Module           # the transformer, DDP-wrapped when distributed (used for the update only)
+    optimizer: torch.optim.Optimizer
+    params: list
+    reward_fn: object
+    prompts: list
+    metadata: list                   # one dict per prompt (from a .jsonl file), handed to the reward
+    sigmas: torch.Tensor             # (S + 1,) the rollout's sigma grid, ending in 0
+    negative: tuple                  # empty-prompt conditioning for CFG, or None
+    rank: int
+    world: int
+    device: torch.device
+    scaler: object = None            # GradScaler with fp16
+    eval_prompts: list = None        # held-out prompts, their metadata and the evaluation's reward
+    eval_metadata: list = None
+    eval_reward_fn: object = None
+    trackers: object = None          # Trackers on rank 0 with --report-to
+
+    @property
+    def n_prompts(self):
+        return self.args.prompts_per_step // self.world
+
+
+def train_iteration(run, it):
+    """One V-GRPO iteration (`it` counts from 0): rollout -> reward -> advantages -> pairs -> update.
+    -> (stats, images, prompts, rewards, advantages), the last four for this rank's samples."""
+    args, family, timer = run.args, run.family, PhaseTimer()
+    # 1. Rollout of this rank's prompt groups. Prompts and starting noise are keyed by (seed, iteration, global
+    #    prompt slot, member): the members of a group differ, and nothing depends on which rank draws them.
+    with timer("rollout"):
+        sample_ids, prompts, metadata = local_samples(run, it)
+        cond, o, images = generate(run, prompts, [(args.seed, "noise", it, j, m) for j, m in sample_ids])
+    # 2. Reward, 3. group-normalised advantages (each rank owns whole groups: no communication)
+    with timer("reward"):
+        r = score(run.reward_fn, images, prompts, metadata).to(run.device)
+        A = advantages(run, r)
+    if any_nonfinite(run, it, r, A):  # every rank skips together, or DDP would hang
+        return dict(SKIPPED_STATS, skipped_steps=args.inner_steps, **timer.stats()), images, prompts, r, A
+    # 4. Shared, stratified pairs; the old surrogate for the minibatches after the first (none with one inner step)
+    with timer("old"):
+        sigmas, eps = draw_pairs(run.sigmas, args.n_mc, family.latent_shape, sample_ids, args.pair_sharing,
+                                 args.stratified, args.seed, it, run.device)
+        batch = {"o": o, "cond": cond, "A": A, "sigmas": sigmas, "eps": eps.to(o.dtype)}
+        if args.inner_steps > 1:
+            batch["s_old"], batch["x0_old"] = old_surrogate(family, family.transformer, batch, args, run.n_prompts)
+    # 5. Clipped-ratio update
+    with timer("update"):
+        stats = update(family, run.model, run.optimizer, run.params, batch, args, run.n_prompts, run.scaler)
+    return {**stats, **timer.stats(), **reward_metrics(run)}, images, prompts, r, A
+
+
+def local_samples(run, it):
+    """This rank's samples as (global prompt slot, member), with their prompts and metadata: slot j of iteration
+    `it` takes the j-th prompt of a keyed permutation of the prompt file (wrapping around a short file)."""
+    order = torch.randperm(len(run.prompts), generator=keyed_generator(run.args.seed, "prompts", it)).tolist()
+    slots = range(run.rank * run.n_prompts, (run.rank + 1) * run.n_prompts)
+    sample_ids = [(j, m) for j in slots for m in range(run.args.group_size)]
+    picked = [order[j % len(order)] for j, _ in sample_ids]
+    return sample_ids, [run.prompts[i] for i in picked], [run.metadata[i] for i in picked]
+
+
+@torch.no_grad()
+def generate(run, prompts, noise_keys):
+    """Images of `prompts` with the current weights, each from the starting noise keyed by its noise_keys entry
+    (training and evaluation alike) -> (conditioning, clean latents o, images in [0, 1])."""
+    family = run.family
+    noise = torch.stack([torch.randn(family.latent_shape, generator=keyed_generator(*key))
+                         for key in noise_keys]).to(run.device)          # (B, *latent_shape)
+    cond = family.encode(prompts)
+    o = rollout(family, family.transformer, cond, noise, run.sigmas, run.args, run.negative)
+    return cond, o, decode(family, o, run.args.sample_batch)
+
+
+def advantages(run, r):
+    """The group advantages of the summed reward r, or with --reward-advantage per-reward (and several rewards)
+    the weighted mean of each reward's own group advantages."""
+    args, fn = run.args, run.reward_fn
+    if args.reward_advantage == "per-reward" and len(fn.parts) > 1:
+        parts = {name: value.to(run.device) for name, value in fn.last_parts.items()}
+        weights = {name: w for name, w, _ in fn.parts}
+        return per_reward_advantages(parts, weights, args.group_size, soft_clip=args.adv_soft_clip)
+    return group_advantages(r, args.group_size, soft_clip=args.adv_soft_clip)
+
+
+@torch.no_grad()
+def rollout(family, model, cond, noise, sigmas, args, negative=None):
+    """Sample o for every local sample with the current weights, --sample-batch samples per pass -> (B, *lat).
+    No gradients and no activations are kept, so the pass can be much larger than a training micro-batch."""
+    out, cfg = [], family.cfg and args.guidance > 1  # FLUX takes --guidance in its embedding instead
+    for start in range(0, len(noise), args.sample_batch):
+        rows = slice(start, start + args.sample_batch)
+        c = rows_of(cond, rows)
+        if cfg:
+            c = tuple(torch.cat([n.expand_as(t), t]) for n, t in zip(negative, c))
+
+        def velocity(x, sigma):
+            if not cfg:
+                return family.velocity(model, x, sigma, c)
+            v_uncond, v_cond = family.velocity(model, torch.cat([x, x]), sigma, c).chunk(2)
+            return v_uncond + args.guidance * (v_cond - v_uncond)
+
+        out.append(sample_ode(velocity, noise[rows], sigmas, args.sampler))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def decode(family, o, batch_size):
+    """Latents -> images in [0, 1], batch_size samples per VAE pass."""
+    return torch.cat([family.decode(o[start:start + batch_size]) for start in range(0, len(o), batch_size)])
+
+
+def rows_of(cond, rows, repeat=1):
+    """Rows `rows` (indices or a slice) of every conditioning tensor, each repeated `repeat` times (N_MC pairs)."""
+    return tuple(t[rows].repeat_interleave(repeat, 0) for t in cond)
+
+
+def surrogate(family, model, o, sigmas, eps, cond, weighting):
+    """Evaluate the model on every (sample, pair) row and return elbo_surrogate's (s, x0_hat)."""
+    b, n = sigmas.shape
+    x_t = noisy_latents(o, sigmas, eps).to(o.dtype)                   # (b, N, *lat)
+    v = family.velocity(model, x_t.flatten(0, 1), sigmas.flatten(), rows_of(cond, slice(None), n))
+    return elbo_surrogate(v.view(b, n, *o.shape[1:]), o, sigmas, eps, weighting)
+
+
+@torch.no_grad()
+def old_surrogate(family, model, batch, args, n_prompts, from_step=1):
+    """s_old and x0_hat_old with the sampling weights, on exactly the micro-batches the update will use, for the
+    minibatches of inner steps from_step.. (rows of earlier steps are left NaN). The first minibatch needs no such
+    pass: before any optimizer step the update's own forward is the sampling policy's, bit for bit, and takes its
+    old values from there; so with one inner step (the paper's SD3.5-M setting) there is no old pass at all."""
+    s_old = torch.full((len(batch["o"]),), float("nan"), device=batch["o"].device)
+    x0_old = torch.full(batch["eps"].shape, float("nan"), device=batch["o"].device) if args.beta > 0 else None
+    for k, idx in micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch, s_old.device):
+        if k < from_step:
+            continue
+        s, x0 = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
+                          rows_of(batch["cond"], idx), args.weighting)
+        s_old[idx] = s
+        if x0_old is not None:
+            x0_old[idx] = x0
+    return s_old, x0_old
+
+
+def micro_batches(n_prompts, group_size, inner_steps, micro_batch, device="cpu"):
+    """Yield (k, sample indices) for inner step k: minibatch k holds members [k G/K, (k+1) G/K) of every
+    local group (so the global minibatch is the same for any world size), cut into micro-batches. The
+    indices are made on `device`: indexing GPU tensors with CPU indices would copy them at every micro-batch."""
+    members = group_size // inner_steps
+    samples = torch.arange(n_prompts * group_size, device=device).view(n_prompts, group_size)
+    for k in range(inner_steps):
+        for chunk in samples[:, k * members:(k + 1) * members].reshape(-1).split(micro_batch):
+            yield k, chunk
+
+
+def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None):
+    """--inner-steps optimizer steps on the clipped surrogate objective; returns averaged stats.
+    batch: o, cond, A, sigmas, eps, and s_old / x0_old (old_surrogate) for the minibatches after the first.
+    scaler: a GradScaler with --mixed-precision fp16 (fp16 gradients underflow without loss scaling).
+    Statistics stay on the device until the end; the host waits once per optimizer step (to skip a step with a
+    non-finite gradient on every rank alike) and once for the statistics."""
+    device = batch["o"].device
+    stats, finite_loss = collections.defaultdict(list), torch.ones((), dtype=torch.bool, device=device)
+    minibatch_size = n_prompts * args.group_size // args.inner_steps
+    chunks = list(micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch, device))
+    skipped = 0
+    for i, (k, idx) in enumerate(chunks):
+        last_of_step = i + 1 == len(chunks) or chunks[i + 1][0] != k
+        with gradient_sync(model, last_of_step):
+            s_new, x0_new = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
+                                      rows_of(batch["cond"], idx), args.weighting)
+            if k == 0:  # no step taken yet: the old policy is the current one, and this forward is its value
+                s_old, x0_old = s_new.detach(), x0_new.detach()
+            else:
+                s_old, x0_old = batch["s_old"][idx], batch["x0_old"][idx] if args.beta > 0 else None
+            loss, st = vgrpo_loss(s_new, s_old, batch["A"][idx], args.clip_eps, args.beta,
+                                  x0_new if args.beta > 0 else None, x0_old if args.beta > 0 else None)
+            part = loss * len(idx) / minibatch_size
+            (scaler.scale(part) if scaler else part).backward()
+        finite_loss &= torch.isfinite(st["policy_loss"])
+        for name, value in st.items():
+            stats[name].append(value)  # micro-batches are equal-sized: plain means
+        if last_of_step:
+            # gradients are already averaged over ranks, so every rank takes the same decision here
+            if scaler:
+                scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
+            stats["grad_norm"].append(grad_norm.detach())
+            if scaler:  # an fp16 overflow only lowers the loss scale; a non-finite loss is a bad step
+                scaler.step(optimizer)
+                scaler.update()
+                skipped += not finite_loss.item()
+            elif torch.isfinite(grad_norm).item():
+                optimizer.step()
+            else:  # a NaN / Inf loss or gradient: drop this step, the weights stay finite
+                skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            finite_loss.fill_(True)
+    reduce = {"ratio_min": torch.min, "ratio_max": torch.max}
+    names = list(stats)
+    values = torch.stack([reduce.get(name, torch.mean)(torch.stack(stats[name]).float()) for name in names]).tolist()
+    return dict(zip(names, values), skipped_steps=skipped)
+
+
+# --------------------------------------------------------------------------- the training loop
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    quiet_libraries()
+    validate(args, int(os.environ.get("WORLD_SIZE", 1)))
+    stop_requested = install_stop_handlers()
+    run, start = start_run(args)  # processes, model, reward, optimizer and a checkpoint to resume from
+    if args.eval_every and start == 0:
+        log_evaluation(run, 0)
+    history, bad_streak = [], 0
+    for it in range(start, args.iterations):
+        stats, images, prompts, r, A = train_iteration(run, it)
+        m = iteration_metrics(run, it, stats, r, A)
+        history.append(m["reward_mean"])
+        bad_streak = bad_streak + 1 if m["skipped_steps"] else 0
+        stop = any_rank(stop_requested, run.world, run.device)
+        done = it + 1
+        last = done == args.iterations or stop
+        if run.rank == 0:
+            record(run, m, (images, prompts, r), first=it == start, last=last)
+        del images  # the next rollout should not have to fit beside this one's pictures
+        if done % args.save_every == 0 or last:
+            save_checkpoint(run, done)  # every rank: FSDP gathers the weights and writes sharded AdamW states
+        if args.eval_every and (done % args.eval_every == 0 or done == args.iterations):
+            log_evaluation(run, done)
+        if dist.is_initialized():
+            dist.barrier()  # nobody runs ahead of a checkpoint being written
+        if bad_streak >= args.max_bad_steps:
+            raise FatalError(f"{bad_streak} consecutive iterations with NaN/Inf rewards, losses or gradients "
+                             f"(--max-bad-steps {args.max_bad_steps}); the last checkpoint holds finite weights")
+        if stop:
+            if run.rank == 0:
+                print(f"vgrpo: stopped after iteration {done}; checkpoint-{done} saved. Continue with the "
+                      f"same command plus --resume auto", flush=True)
+            break
+    finish(run, history)
+
+
+# ======================================================================================================================
+# What supports it: validation, model loading, tiny models, distributed helpers, checkpoints, logging.
+# ======================================================================================================================
+
+
+# --------------------------------------------------------------------------- the run's start and end
+
+
+def start_run(args):
+    """Processes, then (rank 0) the output folder and the resolved configuration, then the model, reward, optimizer
+    and a checkpoint to resume from; rank 0 says what will run and trims logs written after that checkpoint."""
+    _, rank, world, device = setup_distributed(args.device, args.dist_timeout)
+    if device.type == "cuda" and args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if rank == 0:
+        announce(args)
+    run, start = build_run(args, rank, world, device)
+    if rank == 0:
+        run.trackers = Trackers(args) if args.report_to else None
+        print(describe(run, start), flush=True)
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            trim_metrics(os.path.join(args.output_dir, name), start)
+    return run, start
+
+
+def finish(run, history):
+    """Rank 0 prints the summary and draws the curves; then every rank leaves."""
+    if run.rank == 0:
+        summarize(run.args.output_dir, history)
+        if run.trackers:
+            run.trackers.close()
+    if dist.is_initialized():
+        dist.barrier()
+        # Leave without tearing the process group down: freeing DDP's reducer drops the last reference to the gloo
+        # group, whose destructor joins a worker thread that needs the GIL the destructor holds (seen with 8 CPU
+        # processes). Everything is written and flushed; torchrun only reads the exit code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+# --------------------------------------------------------------------------- the command line and its validation
+
+
+def command_line(args):
+    """The resolved configuration as the flags that reproduce it (printed at start, saved in config.json)."""
+    out = []
+    for f in dataclasses.fields(Args):
+        value, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif f.name != "preset" and value is not None:  # None: resolved later (micro-batch before validate)
+            out.append(f"{flag} {shlex.quote(value) if isinstance(value, str) else value}")
+    return " ".join(out)
+
+
 def parse_args(argv=None):
     """Command line -> Args. Explicit flags win over a --preset, which wins over the model's recipe."""
     import argparse
@@ -204,18 +691,6 @@ def parse_args(argv=None):
     return Args(**vars(p.parse_args(argv)))
 
 
-def command_line(args):
-    """The resolved configuration as the flags that reproduce it (printed at start, saved in config.json)."""
-    out = []
-    for f in dataclasses.fields(Args):
-        value, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        elif f.name != "preset" and value is not None:  # None: resolved later (micro-batch before validate)
-            out.append(f"{flag} {shlex.quote(value) if isinstance(value, str) else value}")
-    return " ".join(out)
-
-
 class FatalError(Exception):
     """A failure the user must act on: printed as one line, no traceback."""
     exit_code = 1
@@ -231,8 +706,14 @@ RESUME_MUST_MATCH = ("model", "full_finetune", "lora_rank", "lora_alpha", "resol
 
 
 SAMPLERS = ("dpmpp2m", "euler")
+
+
 PAIR_SHARING = ("batch", "group", "none")
+
+
 MODEL_IDS = {"sd3": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev"}
+
+
 DEFAULT_PROMPTS = [  # the tiny CPU demo's prompts; a real model trains on prompts/train.txt or --prompts
     "a red apple on a wooden table", "a cat sleeping on a sofa", "a lighthouse at sunset",
     "a bowl of ramen", "a snowy mountain village", "an astronaut riding a horse",
@@ -320,7 +801,7 @@ def check_reward_specs(args):
             raise UsageError(f"{flag}: {e}") from None
         if len(set(names)) < len(names):
             raise UsageError(f"{flag} {spec}: a reward is named twice; give it one weight")
-        clash = [n for n in names if metric_name(n) in ("mean", "std", "group_std", "reward")]
+        clash = [n for n in names if rewards_lib.metric_name(n) in ("mean", "std", "group_std", "reward")]
         if clash:  # its metric would overwrite reward_mean, reward_std, ... or eval_reward
             raise UsageError(f"{flag}: rename the reward function {clash[0]!r}: its metric name clashes with a built-in one")
 
@@ -372,165 +853,6 @@ def load_prompts(path):
     if not prompts:
         raise UsageError(f"prompt file {path} has no prompts")
     return prompts, metadata
-
-
-# --------------------------------------------------------------------------- the method
-# Time convention (SD3 / FLUX rectified flow): sigma = 1 is pure noise, sigma = 0 is data,
-#   x_sigma = (1 - sigma) * o + sigma * eps,  the network predicts v = eps - o,  timestep = 1000 * sigma.
-
-
-def group_advantages(rewards, group_size, eps=1e-4, soft_clip=None):
-    """GRPO advantages: A_i = (r_i - mean_group) / (std_group + eps), population std (docs/method.md, step 2).
-
-    rewards (P*G,) ordered group by group. A group whose rewards are all equal gets exactly 0.
-    soft_clip=eta applies eta * tanh(A / eta), the paper's step control for on-policy SD3.5 runs.
-    """
-    if group_size < 2:
-        raise ValueError(f"group_size must be at least 2, got {group_size}")
-    r = rewards.float().view(-1, group_size)                           # (P, G)
-    A = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)
-    A = A.masked_fill((r == r[:, :1]).all(1, keepdim=True), 0.0)       # mean of equal floats can be inexact
-    if soft_clip:
-        A = soft_clip * torch.tanh(A / soft_clip)
-    return A.view(-1)
-
-
-def per_reward_advantages(parts, weights, group_size, eps=1e-4, soft_clip=None):
-    """Several rewards combined after normalisation (MixGRPO's choice): A = sum_k w_k A(r_k) / sum_k |w_k|,
-    each reward's group advantage computed alone, so a reward with a large scale cannot drown the others.
-    Dividing by the weights' sum keeps A on the scale of one advantage, whatever the weights (`jpeg:100`
-    scales a reward, it should not scale the step). parts: {name: (P*G,)}; weights: {name: w}."""
-    A = sum(w * group_advantages(parts[name], group_size, eps) for name, w in weights.items())
-    A = A / sum(abs(w) for w in weights.values())
-    if soft_clip:
-        A = soft_clip * torch.tanh(A / soft_clip)
-    return A
-
-
-def stratified_sigmas(sigma_grid, n, generator=None):
-    """Stratified noise levels (docs/method.md, step 3): the rollout's sigma grid without its final 0, split into
-    n contiguous chunks (torch.tensor_split), one grid value drawn uniformly from each chunk -> (n,).
-    Every draw covers high, middle and low noise, which removes most of the surrogate's variance."""
-    grid = sigma_grid[:-1] if sigma_grid[-1] == 0 else sigma_grid
-    chunks = torch.tensor_split(grid, n)
-    return torch.stack([c[torch.randint(len(c), (), generator=generator)] for c in chunks])
-
-
-def noisy_latents(o, sigmas, eps):
-    """x_sigma = (1 - sigma) o + sigma eps for every pair: o (B, *lat), sigmas (B, N), eps (B, N, *lat)."""
-    s = sigmas.view(*sigmas.shape, *[1] * (o.dim() - 1))              # (B, N, 1, 1, 1)
-    return (1 - s) * o.unsqueeze(1) + s * eps
-
-
-def elbo_surrogate(v_pred, o, sigmas, eps, weighting="adaptive"):
-    """ELBO surrogate of log pi(o | c) (docs/method.md, step 4), in float32.
-
-    v_pred (B, N, *lat): velocity predictions at x = (1 - sigma) o + sigma eps for the N pairs.
-    Returns (s, x0_hat): s (B,) = -mean_j l(o, sigma_j, eps_j) with the adaptive weighting
-    l = mean_d (x0_hat - o)^2 / stopgrad(mean_d |x0_hat - o|), or the plain MSE with weighting="none";
-    x0_hat (B, N, *lat) = x - sigma * v_pred, the model's x-prediction.
-    """
-    v_pred, o, sigmas, eps = v_pred.float(), o.float(), sigmas.float(), eps.float()
-    x_t = noisy_latents(o, sigmas, eps)
-    x0_hat = x_t - sigmas.view(*sigmas.shape, *[1] * (o.dim() - 1)) * v_pred
-    err = x0_hat - o.unsqueeze(1)
-    dims = tuple(range(2, err.dim()))
-    loss = err.pow(2).mean(dims)                                       # (B, N)
-    if weighting == "adaptive":
-        loss = loss / err.abs().mean(dims).detach().clamp_min(1e-8)
-    elif weighting != "none":
-        raise ValueError(f"unknown weighting {weighting!r}")
-    return -loss.mean(1), x0_hat
-
-
-def vgrpo_loss(s_new, s_old, advantages, clip_eps, beta=0.0, x0_new=None, x0_old=None):
-    """PPO-clip on the surrogate ratio plus an optional KL to the sampling policy (docs/method.md, step 6).
-
-    ratio = exp(s_new - s_old); loss = -mean(min(ratio A, clip(ratio, 1 -+ clip_eps) A))
-    + beta * mean((x0_new - x0_old)^2). Returns (loss, stats); stats are detached 0-dim tensors, so that a
-    caller on a GPU reads them once per iteration instead of synchronising at every micro-batch.
-    """
-    ratio = torch.exp(s_new - s_old)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
-    policy_loss = -torch.min(unclipped, clipped).mean()
-    kl = (x0_new - x0_old).pow(2).mean() if x0_new is not None else torch.zeros((), device=ratio.device)
-    loss = policy_loss + beta * kl
-    stats = {
-        "policy_loss": policy_loss, "kl": kl, "clip_frac": ((ratio - 1).abs() > clip_eps).float().mean(),
-        "ratio_mean": ratio.mean(), "ratio_min": ratio.min(), "ratio_max": ratio.max(),
-    }
-    return loss, {name: value.detach() for name, value in stats.items()}
-
-
-def keyed_generator(*key):
-    """A CPU generator seeded by a hash of `key`: draws depend on what they are for, not on call order,
-    rank or world size, so 1 or 2 processes and a resumed run all see the same numbers."""
-    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-
-
-def draw_pairs(sigma_grid, n_mc, latent_shape, sample_ids, sharing, stratified, seed, iteration, device="cpu"):
-    """The N_MC (sigma, eps) pairs of each sample (docs/method.md, step 3), shared as `sharing` says.
-
-    sample_ids: (global prompt index, member) of each local sample. batch: one draw for everyone on every
-    rank; group: one draw per prompt group; none: one per sample. -> sigmas (B, N), eps (B, N, *lat) on
-    `device`; with batch sharing eps is one draw expanded over the batch (no per-sample copies).
-    """
-    grid = sigma_grid[:-1] if sigma_grid[-1] == 0 else sigma_grid
-    keys = [{"batch": (), "group": (p,), "none": (p, m)}[sharing] for p, m in sample_ids]
-    draws = {}
-    for key in dict.fromkeys(keys):  # one draw per distinct key, keyed so that any rank gets the same one
-        g = keyed_generator(seed, "pairs", iteration, *key)
-        sig = stratified_sigmas(grid, n_mc, g) if stratified else grid[torch.randint(len(grid), (n_mc,), generator=g)]
-        draws[key] = (sig.to(device), torch.randn((n_mc, *latent_shape), generator=g).to(device))
-    if len(draws) == 1:
-        sig, eps = draws[keys[0]]
-        return sig.expand(len(keys), *sig.shape), eps.expand(len(keys), *eps.shape)
-    return torch.stack([draws[k][0] for k in keys]), torch.stack([draws[k][1] for k in keys])
-
-
-# --------------------------------------------------------------------------- the sampler
-
-
-@torch.no_grad()
-def sample_ode(velocity, noise, sigmas, sampler="dpmpp2m"):
-    """Integrate the probability-flow ODE from sigmas[0] (noise) to sigmas[-1] = 0 -> the clean latent o.
-
-    velocity(x, sigma) -> v. `euler` is StableDiffusion3Pipeline's FlowMatchEulerDiscreteScheduler step;
-    `dpmpp2m` is DPM-Solver++(2M) on the data prediction x0 = x - sigma v with alpha = 1 - sigma and
-    lambda = log(alpha / sigma); as in diffusers' DPMSolverMultistepScheduler it is first order at the first
-    step (sigma = 1, lambda = -inf) and at the last (to sigma = 0), and also wherever the step in lambda
-    is more than twice the previous one (the pipelines' grids jump from sigma_min to 0 so; extrapolating
-    over it is worse than Euler). Any ODE solver is allowed: V-GRPO never needs per-step log-probabilities.
-
-    sigmas: the grid on the CPU. The solver's coefficients are Python floats and the model gets the grid copied
-    to the device once, so no step waits for a host-device copy.
-    """
-    x, x0_prev, h_prev = noise, None, None
-    grid, on_device = sigmas.tolist(), sigmas.to(noise.device)
-    euler_dt = (sigmas[1:] - sigmas[:-1]).tolist()  # float32 differences, exactly the Euler scheduler's step
-    for i in range(len(grid) - 1):
-        s, s_next = grid[i], grid[i + 1]
-        v = velocity(x, on_device[i])
-        if sampler == "euler":
-            x = (x.float() + euler_dt[i] * v.float()).to(v.dtype)
-            continue
-        x0 = x.float() - s * v.float()
-        if s_next == 0:
-            x = x0.to(x.dtype)
-            break
-        a, a_next = 1 - s, 1 - s_next
-        # first-order (DDIM) coefficient of D: alpha_next * (1 - exp(-h)), written to stay finite at s = 1
-        coef = a_next - s_next * a / s
-        h = math.log(a_next / s_next) - (math.log(a / s) if a > 0 else -math.inf)
-        D = x0
-        r = h_prev / h if x0_prev is not None else 0.0
-        if r >= 0.5:  # second order only when the last step was comparable (inf at the first: 1st order)
-            D = (1 + 1 / (2 * r)) * x0 - 1 / (2 * r) * x0_prev
-        x = ((s_next / s) * x.float() + coef * D).to(x.dtype)
-        x0_prev, h_prev = x0, h
-    return x
 
 
 # --------------------------------------------------------------------------- model families
@@ -740,6 +1062,146 @@ class FluxFamily(Family):
         return self.vae_decode(self.pipe._unpack_latents(o, self.resolution, self.resolution, self.pipe.vae_scale_factor))
 
 
+def model_kind(model):
+    """'sd3' or 'flux' for a --model value (a local folder says in its model_index.json)."""
+    if model in ("tiny", "sd3"):
+        return "sd3"
+    if model in ("tiny-flux", "flux"):
+        return "flux"
+    index = os.path.join(model, "model_index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return "flux" if "Flux" in json.load(f).get("_class_name", "") else "sd3"
+    return "flux" if "flux" in model.lower() else "sd3"
+
+
+AMP_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_family(args, device):
+    """--model -> a Family on `device`. Missing weights are one clear line, not a traceback."""
+    kind, amp = model_kind(args.model), AMP_DTYPES[args.mixed_precision]
+    if is_tiny(args.model):
+        # tiny SD3 has no T5: its embeddings are zeros, so keep their padded length short (8) to save compute
+        pipe = build_tiny_sd3_pipeline() if kind == "sd3" else build_tiny_flux_pipeline()
+        max_len = 8 if kind == "sd3" else 16
+    else:
+        from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+        name = MODEL_IDS.get(args.model, args.model)
+        try:  # frozen parts in the mixed-precision dtype; the transformer is cast below if it is frozen too
+            pipe = (FluxPipeline if kind == "flux" else StableDiffusion3Pipeline).from_pretrained(
+                name, dtype=amp or torch.float32)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"could not load '{name}' ({type(e).__name__}): the weights are not available here; "
+                             f"download them once with `hf download {name}` (accept the model's licence first) "
+                             "or pass a local pipeline directory with --model /path/to/pipeline") from None
+        max_len = 512 if kind == "flux" else 256
+    pipe.set_progress_bar_config(disable=True)
+    # full fine-tuning keeps float32 master weights (AdamW on bf16 weights loses small updates); with LoRA
+    # the frozen base weights can live in the low-precision dtype and only the adapters stay float32
+    weights_dtype = torch.float32 if args.full_finetune or amp is None else amp
+    if pipe.transformer.dtype != weights_dtype:
+        pipe.transformer.to(weights_dtype)
+    for part in (pipe.transformer, pipe.vae):
+        part.to(device).requires_grad_(False)
+    offload = args.offload_text_encoders and device.type == "cuda"
+    for enc in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None)):
+        if enc is not None:
+            enc.requires_grad_(False).to("cpu" if offload else device)
+    if args.gradient_checkpointing:
+        pipe.transformer.enable_gradient_checkpointing()
+    kw = dict(amp_dtype=amp, offload_text_encoders=offload)
+    if kind == "flux":
+        return FluxFamily(pipe, args.resolution, max_len, device, guidance=args.guidance, **kw)
+    return SD3Family(pipe, args.resolution, max_len, device, **kw)
+
+
+def add_trainable_weights(family, args):
+    """LoRA through diffusers' peft integration, or full fine-tuning; returns the trainable parameters."""
+    transformer = family.transformer
+    if args.full_finetune:
+        transformer.requires_grad_(True)
+    else:
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)  # the same LoRA init on every rank
+            transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                               init_lora_weights="gaussian", target_modules=family.lora_targets))
+        if family.amp_dtype is not None:
+            # peft casts each LoRA layer's input up to the adapter's float32 and autocast casts it back down for the
+            # matmul: a copy of the activations per layer per forward, for the same result (bench/results/cost.md)
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            for layer in transformer.modules():
+                if isinstance(layer, BaseTunerLayer):
+                    layer.cast_input_dtype_enabled = False
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in params:  # trained weights stay float32 even when the frozen base is bf16 (AdamW needs the precision)
+        p.data = p.data.float()
+    return params
+
+
+def wrap_for_training(family, args, world, device):
+    """DDP (every rank holds every weight, gradients averaged) or, with --fsdp, FSDP2: each transformer block
+    sharded over the ranks, then the root, so weights, gradients and AdamW states take 1/world of the memory.
+    Returns the module the update calls; rollouts call family.transformer, the same module under FSDP2."""
+    if args.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        amp = AMP_DTYPES[args.mixed_precision]
+        # compute in the mixed-precision dtype, reduce gradients in float32 into float32 master weights
+        policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
+        for block in family.blocks():
+            fully_shard(block, mp_policy=policy)
+        return fully_shard(family.transformer, mp_policy=policy)
+    if world == 1:
+        return family.transformer
+    # no buffer broadcast at every step (SD3's positional embedding is a 453 MB buffer, equal on every rank);
+    # gradients as views into DDP's buckets: no second copy of them (9 GB of SD3.5-M's with full fine-tuning)
+    return torch.nn.parallel.DistributedDataParallel(family.transformer, broadcast_buffers=False,
+                                                     device_ids=[device] if device.type == "cuda" else None,
+                                                     gradient_as_bucket_view=True)
+
+
+def build_run(args, rank, world, device):
+    """Load the model, reward and optimizer (and a checkpoint) -> (Run, first iteration)."""
+    prompts, metadata = load_prompts(args.prompts)
+    eval_prompts, eval_metadata = load_prompts(args.eval_prompts) if args.eval_every else (None, None)
+    family = load_family(args, device)
+    # every prompt the run will meet, the empty one for CFG too, encoded once (the store is reused on resume)
+    family.encode_all(prompts + (eval_prompts or []) + [""], os.path.join(args.output_dir, "embeddings.pt"),
+                      write=rank == 0)
+    try:
+        # the reward models in the mixed-precision dtype on a GPU; float32 on the CPU (slow bf16 kernels there)
+        reward_dtype = AMP_DTYPES[args.mixed_precision] if device.type == "cuda" else None
+        reward_fn = rewards_lib.load_reward(args.reward, device, reward_dtype)
+        eval_spec = args.eval_rewards or args.reward  # the same spec: share the loaded models, not a second copy
+        eval_reward_fn = None if not args.eval_every else reward_fn if eval_spec == args.reward else \
+            rewards_lib.load_reward(eval_spec, device, reward_dtype)
+    except rewards_lib.RewardError as e:
+        raise UsageError(str(e)) from None
+    add_trainable_weights(family, args)
+    start = load_trained_weights(args.resume, family, args) if args.resume else 0
+    check_ranks_agree(args, family.transformer, world, device)  # before the wrap, which would hide a difference
+    model = wrap_for_training(family, args, world, device)
+    params = [p for p in family.transformer.parameters() if p.requires_grad]  # after sharding: the local shards
+    # fused on CUDA: one kernel for all parameters instead of a few per tensor (LoRA on SD3.5-M: ~600 tensors)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
+    scaler = torch.amp.GradScaler(device.type) if args.mixed_precision == "fp16" else None
+    negative = family.encode([""]) if family.cfg and args.guidance > 1 else None
+    run = Run(args, family, model, optimizer, params, reward_fn, prompts, metadata, family.sigma_grid(args.sample_steps),
+              negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn)
+    if args.resume:
+        load_training_state(args.resume, run)
+    return run, start
+
+
+# --------------------------------------------------------------------------- tiny models, built in code
+
+
 def write_byte_tokenizer(directory):
     """A byte-level CLIP tokenizer (no merges): 256 byte symbols, the same with </w>, then the two
     special tokens. Real CLIP vocabularies cannot be downloaded here; this one tokenises any text."""
@@ -827,223 +1289,7 @@ def build_tiny_flux_pipeline(seed=0):
                         text_encoder_2=t5, tokenizer_2=T5Tokenizer(vocab=vocab, extra_ids=0), transformer=transformer)
 
 
-def model_kind(model):
-    """'sd3' or 'flux' for a --model value (a local folder says in its model_index.json)."""
-    if model in ("tiny", "sd3"):
-        return "sd3"
-    if model in ("tiny-flux", "flux"):
-        return "flux"
-    index = os.path.join(model, "model_index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return "flux" if "Flux" in json.load(f).get("_class_name", "") else "sd3"
-    return "flux" if "flux" in model.lower() else "sd3"
-
-
-AMP_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def load_family(args, device):
-    """--model -> a Family on `device`. Missing weights are one clear line, not a traceback."""
-    kind, amp = model_kind(args.model), AMP_DTYPES[args.mixed_precision]
-    if is_tiny(args.model):
-        # tiny SD3 has no T5: its embeddings are zeros, so keep their padded length short (8) to save compute
-        pipe = build_tiny_sd3_pipeline() if kind == "sd3" else build_tiny_flux_pipeline()
-        max_len = 8 if kind == "sd3" else 16
-    else:
-        from diffusers import FluxPipeline, StableDiffusion3Pipeline
-
-        name = MODEL_IDS.get(args.model, args.model)
-        try:  # frozen parts in the mixed-precision dtype; the transformer is cast below if it is frozen too
-            pipe = (FluxPipeline if kind == "flux" else StableDiffusion3Pipeline).from_pretrained(
-                name, dtype=amp or torch.float32)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"could not load '{name}' ({type(e).__name__}): the weights are not available here; "
-                             f"download them once with `hf download {name}` (accept the model's licence first) "
-                             "or pass a local pipeline directory with --model /path/to/pipeline") from None
-        max_len = 512 if kind == "flux" else 256
-    pipe.set_progress_bar_config(disable=True)
-    # full fine-tuning keeps float32 master weights (AdamW on bf16 weights loses small updates); with LoRA
-    # the frozen base weights can live in the low-precision dtype and only the adapters stay float32
-    weights_dtype = torch.float32 if args.full_finetune or amp is None else amp
-    if pipe.transformer.dtype != weights_dtype:
-        pipe.transformer.to(weights_dtype)
-    for part in (pipe.transformer, pipe.vae):
-        part.to(device).requires_grad_(False)
-    offload = args.offload_text_encoders and device.type == "cuda"
-    for enc in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None)):
-        if enc is not None:
-            enc.requires_grad_(False).to("cpu" if offload else device)
-    if args.gradient_checkpointing:
-        pipe.transformer.enable_gradient_checkpointing()
-    kw = dict(amp_dtype=amp, offload_text_encoders=offload)
-    if kind == "flux":
-        return FluxFamily(pipe, args.resolution, max_len, device, guidance=args.guidance, **kw)
-    return SD3Family(pipe, args.resolution, max_len, device, **kw)
-
-
-def add_trainable_weights(family, args):
-    """LoRA through diffusers' peft integration, or full fine-tuning; returns the trainable parameters."""
-    transformer = family.transformer
-    if args.full_finetune:
-        transformer.requires_grad_(True)
-    else:
-        from peft import LoraConfig
-
-        transformer.requires_grad_(False)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(args.seed)  # the same LoRA init on every rank
-            transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                                               init_lora_weights="gaussian", target_modules=family.lora_targets))
-        if family.amp_dtype is not None:
-            # peft casts each LoRA layer's input up to the adapter's float32 and autocast casts it back down for the
-            # matmul: a copy of the activations per layer per forward, for the same result (bench/results/cost.md)
-            from peft.tuners.tuners_utils import BaseTunerLayer
-
-            for layer in transformer.modules():
-                if isinstance(layer, BaseTunerLayer):
-                    layer.cast_input_dtype_enabled = False
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    for p in params:  # trained weights stay float32 even when the frozen base is bf16 (AdamW needs the precision)
-        p.data = p.data.float()
-    return params
-
-
-# --------------------------------------------------------------------------- one iteration, in pieces
-
-
-def micro_batches(n_prompts, group_size, inner_steps, micro_batch, device="cpu"):
-    """Yield (k, sample indices) for inner step k: minibatch k holds members [k G/K, (k+1) G/K) of every
-    local group (so the global minibatch is the same for any world size), cut into micro-batches. The
-    indices are made on `device`: indexing GPU tensors with CPU indices would copy them at every micro-batch."""
-    members = group_size // inner_steps
-    samples = torch.arange(n_prompts * group_size, device=device).view(n_prompts, group_size)
-    for k in range(inner_steps):
-        for chunk in samples[:, k * members:(k + 1) * members].reshape(-1).split(micro_batch):
-            yield k, chunk
-
-
-def take(cond, rows, repeat=1):
-    """Rows `rows` (indices or a slice) of every conditioning tensor, each repeated `repeat` times (N_MC pairs)."""
-    return tuple(t[rows].repeat_interleave(repeat, 0) for t in cond)
-
-
-@torch.no_grad()
-def rollout(family, model, cond, noise, sigmas, args, negative=None):
-    """Sample o for every local sample with the current weights, --sample-batch samples per pass -> (B, *lat).
-    No gradients and no activations are kept, so the pass can be much larger than a training micro-batch."""
-    out, cfg = [], family.cfg and args.guidance > 1  # FLUX takes --guidance in its embedding instead
-    for start in range(0, len(noise), args.sample_batch):
-        rows = slice(start, start + args.sample_batch)
-        c = take(cond, rows)
-        if cfg:
-            c = tuple(torch.cat([n.expand_as(t), t]) for n, t in zip(negative, c))
-
-        def velocity(x, sigma):
-            if not cfg:
-                return family.velocity(model, x, sigma, c)
-            v_uncond, v_cond = family.velocity(model, torch.cat([x, x]), sigma, c).chunk(2)
-            return v_uncond + args.guidance * (v_cond - v_uncond)
-
-        out.append(sample_ode(velocity, noise[rows], sigmas, args.sampler))
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def decode(family, o, batch_size):
-    """Latents -> images in [0, 1], batch_size samples per VAE pass."""
-    return torch.cat([family.decode(o[start:start + batch_size]) for start in range(0, len(o), batch_size)])
-
-
-def surrogate(family, model, o, sigmas, eps, cond, weighting):
-    """Evaluate the model on every (sample, pair) row and return elbo_surrogate's (s, x0_hat)."""
-    b, n = sigmas.shape
-    x_t = noisy_latents(o, sigmas, eps).to(o.dtype)                   # (b, N, *lat)
-    v = family.velocity(model, x_t.flatten(0, 1), sigmas.flatten(), take(cond, slice(None), n))
-    return elbo_surrogate(v.view(b, n, *o.shape[1:]), o, sigmas, eps, weighting)
-
-
-@torch.no_grad()
-def old_surrogate(family, model, batch, args, n_prompts, from_step=1):
-    """s_old and x0_hat_old with the sampling weights, on exactly the micro-batches the update will use, for the
-    minibatches of inner steps from_step.. (rows of earlier steps are left NaN). The first minibatch needs no such
-    pass: before any optimizer step the update's own forward is the sampling policy's, bit for bit, and takes its
-    old values from there; so with one inner step (the paper's SD3.5-M setting) there is no old pass at all."""
-    s_old = torch.full((len(batch["o"]),), float("nan"), device=batch["o"].device)
-    x0_old = torch.full(batch["eps"].shape, float("nan"), device=batch["o"].device) if args.beta > 0 else None
-    for k, idx in micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch, s_old.device):
-        if k < from_step:
-            continue
-        s, x0 = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
-                          take(batch["cond"], idx), args.weighting)
-        s_old[idx] = s
-        if x0_old is not None:
-            x0_old[idx] = x0
-    return s_old, x0_old
-
-
-def gradient_sync(model, enabled):
-    """DDP and FSDP2 average (or reduce-scatter) gradients over ranks during backward; with accumulation over
-    micro-batches only the last of a step should."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(enabled)
-    elif hasattr(model, "no_sync") and not enabled:  # DDP
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
-def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None):
-    """--inner-steps optimizer steps on the clipped surrogate objective; returns averaged stats.
-    batch: o, cond, A, sigmas, eps, and s_old / x0_old (old_surrogate) for the minibatches after the first.
-    scaler: a GradScaler with --mixed-precision fp16 (fp16 gradients underflow without loss scaling).
-    Statistics stay on the device until the end; the host waits once per optimizer step (to skip a step with a
-    non-finite gradient on every rank alike) and once for the statistics."""
-    device = batch["o"].device
-    stats, finite_loss = collections.defaultdict(list), torch.ones((), dtype=torch.bool, device=device)
-    minibatch_size = n_prompts * args.group_size // args.inner_steps
-    chunks = list(micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch, device))
-    skipped = 0
-    for i, (k, idx) in enumerate(chunks):
-        last_of_step = i + 1 == len(chunks) or chunks[i + 1][0] != k
-        with gradient_sync(model, last_of_step):
-            s_new, x0_new = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
-                                      take(batch["cond"], idx), args.weighting)
-            if k == 0:  # no step taken yet: the old policy is the current one, and this forward is its value
-                s_old, x0_old = s_new.detach(), x0_new.detach()
-            else:
-                s_old, x0_old = batch["s_old"][idx], batch["x0_old"][idx] if args.beta > 0 else None
-            loss, st = vgrpo_loss(s_new, s_old, batch["A"][idx], args.clip_eps, args.beta,
-                                  x0_new if args.beta > 0 else None, x0_old if args.beta > 0 else None)
-            part = loss * len(idx) / minibatch_size
-            (scaler.scale(part) if scaler else part).backward()
-        finite_loss &= torch.isfinite(st["policy_loss"])
-        for name, value in st.items():
-            stats[name].append(value)  # micro-batches are equal-sized: plain means
-        if last_of_step:
-            # gradients are already averaged over ranks, so every rank takes the same decision here
-            if scaler:
-                scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
-            stats["grad_norm"].append(grad_norm.detach())
-            if scaler:  # an fp16 overflow only lowers the loss scale; a non-finite loss is a bad step
-                scaler.step(optimizer)
-                scaler.update()
-                skipped += not finite_loss.item()
-            elif torch.isfinite(grad_norm).item():
-                optimizer.step()
-            else:  # a NaN / Inf loss or gradient: drop this step, the weights stay finite
-                skipped += 1
-            optimizer.zero_grad(set_to_none=True)
-            finite_loss.fill_(True)
-    reduce = {"ratio_min": torch.min, "ratio_max": torch.max}
-    names = list(stats)
-    values = torch.stack([reduce.get(name, torch.mean)(torch.stack(stats[name]).float()) for name in names]).tolist()
-    return dict(zip(names, values), skipped_steps=skipped)
-
-
-
-# --------------------------------------------------------------------------- distributed plumbing
+# --------------------------------------------------------------------------- distributed helpers
 
 
 def setup_distributed(device_arg, timeout_s=600):
@@ -1109,7 +1355,17 @@ def reduce_stats(stats, world, device):
     return {k: out[extremes.get(k, dist.ReduceOp.SUM)][k] for k in keys}
 
 
-# --------------------------------------------------------------------------- checkpoints and pictures
+def gradient_sync(model, enabled):
+    """DDP and FSDP2 average (or reduce-scatter) gradients over ranks during backward; with accumulation over
+    micro-batches only the last of a step should."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+    elif hasattr(model, "no_sync") and not enabled:  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- checkpoints
 
 
 def trained_weights(run):
@@ -1231,166 +1487,7 @@ def load_training_state(directory, run):
         run.scaler.load_state_dict(torch.load(os.path.join(directory, "scaler.pt"), weights_only=True))
 
 
-def save_sample_grid(path, images, prompts, rewards, group_size, max_groups=4, max_members=8):
-    """A PNG: one row per prompt group (its prompt on top), each image with its reward underneath."""
-    from PIL import Image, ImageDraw
-
-    groups, cols = min(len(images) // group_size, max_groups), min(group_size, max_members)
-    side = max(128, images.shape[-1])
-    head, foot = 14, 12
-    grid = Image.new("RGB", (cols * side, groups * (head + side + foot)), "white")
-    draw = ImageDraw.Draw(grid)
-    pictures = rewards_lib.to_uint8_images(images)
-    for g in range(groups):
-        top = g * (head + side + foot)
-        draw.text((2, top + 1), prompts[g * group_size][:cols * side // 6], fill="black")
-        for m in range(cols):
-            i = g * group_size + m
-            grid.paste(pictures[i].resize((side, side), Image.NEAREST), (m * side, top + head))
-            draw.text((m * side + 2, top + head + side), f"{rewards[i].item():.4g}", fill="black")
-    grid.save(path)
-
-
-# --------------------------------------------------------------------------- the training loop
-
-
-@dataclass
-class Run:
-    """Everything one iteration needs, built once in main()."""
-    args: Args
-    family: Family
-    model: torch.nn.Module           # the transformer, DDP-wrapped when distributed (used for the update only)
-    optimizer: torch.optim.Optimizer
-    params: list
-    reward_fn: object
-    prompts: list
-    metadata: list                   # one dict per prompt (from a .jsonl file), handed to the reward
-    sigmas: torch.Tensor             # (S + 1,) the rollout's sigma grid, ending in 0
-    negative: tuple                  # empty-prompt conditioning for CFG, or None
-    rank: int
-    world: int
-    device: torch.device
-    scaler: object = None            # GradScaler with fp16
-    eval_prompts: list = None        # held-out prompts, their metadata and the evaluation's reward
-    eval_metadata: list = None
-    eval_reward_fn: object = None
-    trackers: object = None          # Trackers on rank 0 with --report-to
-
-    @property
-    def n_prompts(self):
-        return self.args.prompts_per_step // self.world
-
-
-def train_iteration(run, it):
-    """One V-GRPO iteration: rollout -> reward -> advantages -> pairs + old surrogate -> update."""
-    args, family, G = run.args, run.family, run.args.group_size
-    t0 = time.perf_counter()
-    # 1. Rollout. Prompt order and starting noise are keyed by (seed, iteration, global slot, member):
-    #    members of a group differ, and nothing depends on which rank draws them.
-    order = torch.randperm(len(run.prompts), generator=keyed_generator(args.seed, "prompts", it)).tolist()
-    slots = range(run.rank * run.n_prompts, (run.rank + 1) * run.n_prompts)
-    sample_ids = [(j, m) for j in slots for m in range(G)]
-    prompts = [run.prompts[order[j % len(order)]] for j, _ in sample_ids]
-    metadata = [run.metadata[order[j % len(order)]] for j, _ in sample_ids]
-    noise = torch.stack([torch.randn(family.latent_shape, generator=keyed_generator(args.seed, "noise", it, j, m))
-                         for j, m in sample_ids]).to(run.device)     # (B, C, h, w)
-    cond = family.encode(prompts)
-    o = rollout(family, family.transformer, cond, noise, run.sigmas, args, run.negative)
-    images = decode(family, o, args.sample_batch)
-    t1 = time.perf_counter()
-    # 2. Reward, 3. group-normalised advantages (each rank owns whole groups: no communication)
-    try:
-        r = run.reward_fn(images, prompts, metadata).to(run.device)
-    except rewards_lib.RewardError as e:  # a broken reward server or a reward returning the wrong shape
-        raise FatalError(str(e)) from None
-    if args.reward_advantage == "per-reward" and len(run.reward_fn.parts) > 1:
-        A = per_reward_advantages({k: v.to(run.device) for k, v in run.reward_fn.last_parts.items()},
-                                  {name: w for name, w, _ in run.reward_fn.parts}, G, soft_clip=args.adv_soft_clip or None)
-    else:
-        A = group_advantages(r, G, soft_clip=args.adv_soft_clip or None)
-    t2 = time.perf_counter()
-    local_bad = not (torch.isfinite(r).all() and torch.isfinite(A).all())
-    if local_bad:
-        names = ", ".join(getattr(run.reward_fn, "nonfinite", [])) or "the reward"
-        print(f"vgrpo: rank {run.rank}, iteration {it + 1}: non-finite values from {names}; update skipped",
-              file=sys.stderr, flush=True)
-    if any_rank(local_bad, run.world, run.device):  # every rank skips together, or DDP would hang
-        stats = dict(SKIPPED_STATS, skipped_steps=args.inner_steps, time_rollout=t1 - t0, time_reward=t2 - t1,
-                     time_old=0.0, time_update=0.0)
-        return stats, images, prompts, r, A
-    # 4. Shared, stratified pairs; the old surrogate for the minibatches after the first (none with one inner step)
-    sig, eps = draw_pairs(run.sigmas, args.n_mc, family.latent_shape, sample_ids, args.pair_sharing,
-                          args.stratified, args.seed, it, run.device)
-    batch = {"o": o, "cond": cond, "A": A, "sigmas": sig, "eps": eps.to(o.dtype)}
-    if args.inner_steps > 1:
-        batch["s_old"], batch["x0_old"] = old_surrogate(family, family.transformer, batch, args, run.n_prompts)
-    t3 = time.perf_counter()
-    # 5. Clipped-ratio update
-    stats = update(family, run.model, run.optimizer, run.params, batch, args, run.n_prompts, run.scaler)
-    t4 = time.perf_counter()
-    stats.update(time_rollout=t1 - t0, time_reward=t2 - t1, time_old=t3 - t2, time_update=t4 - t3)
-    stats.update({f"reward_{metric_name(k)}": v.mean().item() for k, v in run.reward_fn.last_parts.items()
-                  if len(run.reward_fn.parts) > 1})
-    if run.scaler:
-        stats["loss_scale"] = run.scaler.get_scale()
-    return stats, images, prompts, r, A
-
-
-def metric_name(reward_name):
-    """A reward's name as a metric / CSV column: 'pickscore', 'my_rewards.py:colour' -> 'colour',
-    'http://host:8000/geneval' -> 'geneval' (the host when there is no path)."""
-    if ".py:" in reward_name:
-        reward_name = reward_name.rpartition(":")[2]
-    elif "://" in reward_name:
-        rest = reward_name.split("://", 1)[1]
-        reward_name = rest.rstrip("/").rpartition("/")[2] if "/" in rest.rstrip("/") else rest.split(":")[0]
-    return re.sub(r"\W+", "_", reward_name).strip("_")
-
-
-@torch.no_grad()
-def evaluate(run, it):
-    """Deterministic evaluation on the held-out prompts with the current weights: the same noises every time
-    (keyed by prompt and image, never by iteration or --seed, so runs are comparable), the ODE sampler, rewards that may differ from the
-    training reward (so reward hacking shows: training reward up, held-out rewards down).
-    Ranks take every world-th prompt; sums are reduced. -> (metrics, images, prompts, rewards) of rank's first prompts."""
-    args, family, fn = run.args, run.family, run.eval_reward_fn
-    mine = [(i, k) for i in range(run.rank, len(run.eval_prompts), run.world) for k in range(args.eval_images)]
-    names = [name for name, _, _ in fn.parts]
-    sums = torch.zeros(len(names) + 2, dtype=torch.float64)           # each reward, the weighted total, count
-    shown = []
-    for start in range(0, len(mine), args.sample_batch):
-        chunk = mine[start:start + args.sample_batch]
-        prompts = [run.eval_prompts[i] for i, _ in chunk]
-        noise = torch.stack([torch.randn(family.latent_shape, generator=keyed_generator("eval", i, k))
-                             for i, k in chunk]).to(run.device)
-        o = rollout(family, family.transformer, family.encode(prompts), noise, run.sigmas, args, run.negative)
-        images = family.decode(o)
-        try:
-            total = fn(images, prompts, [run.eval_metadata[i] for i, _ in chunk])
-        except rewards_lib.RewardError as e:
-            raise FatalError(f"evaluation: {e}") from None
-        sums += torch.tensor([*(fn.last_parts[n].double().sum() for n in names), total.double().sum(), len(chunk)])
-        if sum(len(x[1]) for x in shown) < 4 * args.eval_images:  # the first 4 prompts' images for the picture
-            shown.append((images.cpu(), prompts, total))
-    if args.fsdp:  # FSDP gathers weights in every forward: each rank runs as many passes as the busiest one
-        busiest = math.ceil(len(run.eval_prompts) / run.world) * args.eval_images
-        for _ in range(math.ceil(len(mine) / args.sample_batch), math.ceil(busiest / args.sample_batch)):
-            rollout(family, family.transformer, family.encode(run.eval_prompts[:1]),
-                    torch.zeros(1, *family.latent_shape, device=run.device), run.sigmas, args, run.negative)
-    if run.world > 1:
-        sums = sums.to(run.device)
-        dist.all_reduce(sums)
-    means = (sums[:-1] / sums[-1].clamp_min(1)).tolist()
-    m = {"iteration": it, **{f"eval_{metric_name(n)}": v for n, v in zip(names, means)}}
-    if len(names) > 1:
-        m["eval_reward"] = means[-1]
-    images, prompts, r = (torch.cat([s[0] for s in shown]), sum((s[1] for s in shown), []), torch.cat([s[2] for s in shown])) \
-        if shown else (None, [], None)
-    return m, images, prompts, r
-
-
-SKIPPED_STATS = {k: float("nan") for k in ("policy_loss", "kl", "clip_frac", "ratio_mean", "ratio_min", "ratio_max",
-                                           "grad_norm")}
+# --------------------------------------------------------------------------- metrics, evaluation, pictures and trackers
 
 
 def iteration_metrics(run, it, stats, r, A):
@@ -1409,6 +1506,54 @@ def iteration_metrics(run, it, stats, r, A):
     return m
 
 
+def score(reward_fn, images, prompts, metadata, what=""):
+    """The reward of each image; a reward that fails (a server down, a wrong shape) is one line, not a traceback."""
+    try:
+        return reward_fn(images, prompts, metadata)
+    except rewards_lib.RewardError as e:
+        raise FatalError(f"{what}{e}") from None
+
+
+def any_nonfinite(run, it, r, A):
+    """True on every rank when any rank's rewards or advantages hold a NaN or Inf; such a rank names the reward."""
+    bad = not (torch.isfinite(r).all() and torch.isfinite(A).all())
+    if bad:
+        names = ", ".join(getattr(run.reward_fn, "nonfinite", [])) or "the reward"
+        print(f"vgrpo: rank {run.rank}, iteration {it + 1}: non-finite values from {names}; update skipped",
+              file=sys.stderr, flush=True)
+    return any_rank(bad, run.world, run.device)
+
+
+def reward_metrics(run):
+    """Each reward's batch mean when there are several, and fp16's loss scale."""
+    fn, out = run.reward_fn, {}
+    if len(fn.parts) > 1:
+        out = {f"reward_{rewards_lib.metric_name(k)}": v.mean().item() for k, v in fn.last_parts.items()}
+    if run.scaler:
+        out["loss_scale"] = run.scaler.get_scale()
+    return out
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of an iteration: `with timer("rollout"):` adds to time_rollout."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(("rollout", "reward", "old", "update"), 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, phase):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] += time.perf_counter() - start
+
+    def stats(self):
+        return {f"time_{phase}": seconds for phase, seconds in self.seconds.items()}
+
+
+SKIPPED_STATS = {k: float("nan") for k in ("policy_loss", "kl", "clip_frac", "ratio_mean", "ratio_min", "ratio_max",
+                                           "grad_norm")}
+
+
 def state_bytes(run):
     """This process's bytes of transformer weights and AdamW states: the local shards under FSDP."""
     tensors = [*run.family.transformer.parameters(),
@@ -1422,61 +1567,6 @@ def log_line(m, total):
             f"| ratio [{m['ratio_min']:.4f}, {m['ratio_max']:.4f}] clip {m['clip_frac']:.3f} | kl {m['kl']:.2e} "
             f"| gnorm {m['grad_norm']:.3f} | {m['time_total']:.2f}s (roll {m['time_rollout']:.2f} "
             f"rew {m['time_reward']:.2f} old {m['time_old']:.2f} upd {m['time_update']:.2f})")
-
-
-def build_run(args, rank, world, device):
-    """Load the model, reward and optimizer (and a checkpoint) -> (Run, first iteration)."""
-    prompts, metadata = load_prompts(args.prompts)
-    eval_prompts, eval_metadata = load_prompts(args.eval_prompts) if args.eval_every else (None, None)
-    family = load_family(args, device)
-    # every prompt the run will meet, the empty one for CFG too, encoded once (the store is reused on resume)
-    family.encode_all(prompts + (eval_prompts or []) + [""], os.path.join(args.output_dir, "embeddings.pt"),
-                      write=rank == 0)
-    try:
-        # the reward models in the mixed-precision dtype on a GPU; float32 on the CPU (slow bf16 kernels there)
-        reward_dtype = AMP_DTYPES[args.mixed_precision] if device.type == "cuda" else None
-        reward_fn = rewards_lib.load_reward(args.reward, device, reward_dtype)
-        eval_spec = args.eval_rewards or args.reward  # the same spec: share the loaded models, not a second copy
-        eval_reward_fn = None if not args.eval_every else reward_fn if eval_spec == args.reward else \
-            rewards_lib.load_reward(eval_spec, device, reward_dtype)
-    except rewards_lib.RewardError as e:
-        raise UsageError(str(e)) from None
-    add_trainable_weights(family, args)
-    start = load_trained_weights(args.resume, family, args) if args.resume else 0
-    check_ranks_agree(args, family.transformer, world, device)  # before the wrap, which would hide a difference
-    model = wrap_for_training(family, args, world, device)
-    params = [p for p in family.transformer.parameters() if p.requires_grad]  # after sharding: the local shards
-    # fused on CUDA: one kernel for all parameters instead of a few per tensor (LoRA on SD3.5-M: ~600 tensors)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
-    scaler = torch.amp.GradScaler(device.type) if args.mixed_precision == "fp16" else None
-    negative = family.encode([""]) if family.cfg and args.guidance > 1 else None
-    run = Run(args, family, model, optimizer, params, reward_fn, prompts, metadata, family.sigma_grid(args.sample_steps),
-              negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn)
-    if args.resume:
-        load_training_state(args.resume, run)
-    return run, start
-
-
-def wrap_for_training(family, args, world, device):
-    """DDP (every rank holds every weight, gradients averaged) or, with --fsdp, FSDP2: each transformer block
-    sharded over the ranks, then the root, so weights, gradients and AdamW states take 1/world of the memory.
-    Returns the module the update calls; rollouts call family.transformer, the same module under FSDP2."""
-    if args.fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        amp = AMP_DTYPES[args.mixed_precision]
-        # compute in the mixed-precision dtype, reduce gradients in float32 into float32 master weights
-        policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
-        for block in family.blocks():
-            fully_shard(block, mp_policy=policy)
-        return fully_shard(family.transformer, mp_policy=policy)
-    if world == 1:
-        return family.transformer
-    # no buffer broadcast at every step (SD3's positional embedding is a 453 MB buffer, equal on every rank);
-    # gradients as views into DDP's buckets: no second copy of them (9 GB of SD3.5-M's with full fine-tuning)
-    return torch.nn.parallel.DistributedDataParallel(family.transformer, broadcast_buffers=False,
-                                                     device_ids=[device] if device.type == "cuda" else None,
-                                                     gradient_as_bucket_view=True)
 
 
 def describe(run, start):
@@ -1499,6 +1589,128 @@ def describe(run, start):
         + (f"; evaluation of {len(run.eval_prompts)} prompts x {a.eval_images} every {a.eval_every} iterations with "
            f"{a.eval_rewards or a.reward}" if a.eval_every else ""),
     ])
+
+
+def announce(args):
+    """Rank 0 at start: the output folders, the resolved configuration (printed and in config.json)."""
+    os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)
+    print(f"vgrpo: config{f' (preset {args.preset})' if args.preset else ''}: {command_line(args)}", flush=True)
+    if os.path.abspath(args.prompts) == TRAIN_PROMPTS:
+        print(f"vgrpo: no --prompts given: training on the {len(load_prompts(args.prompts)[0])} varied prompts of "
+              f"{args.prompts}. The paper trains on Pick-a-Pic (PickScore), HPDv2 (FLUX, HPSv2), "
+              "GenEval and OCR prompt sets: pass yours with --prompts FILE.txt (a prompt per line) or FILE.jsonl "
+              "(with metadata)", flush=True)
+    with open(os.path.join(args.output_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=1)
+    print(f"vgrpo: loading model '{args.model}' and reward '{args.reward}' ...", flush=True)
+
+
+def quiet_libraries():
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()  # per-prompt truncation notices would drown the log
+    transformers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # bf16 norms on CPU
+    # FSDP2 warns that the transformer returns a view; nothing here modifies a model output in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def install_stop_handlers():
+    """SIGTERM (cluster preemption) and SIGINT ask the loop to checkpoint and stop after the current
+    iteration; a second signal stops at once."""
+    requested = []
+
+    def handler(signum, frame):
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(signal.Signals(signum).name)
+        print(f"vgrpo: {requested[0]} received: saving a checkpoint after this iteration (again to quit now)",
+              file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return requested
+
+
+def record(run, m, samples, first, last):
+    """Rank 0 after an iteration: its metrics line, the progress line, a grid of its samples (images, prompts,
+    rewards) every --sample-every iterations, at the first and the last, and the reward curves."""
+    args, done = run.args, m["iteration"]
+    with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(m) + "\n")
+    print(log_line(m, args.iterations), flush=True)
+    grid = {}
+    if first or done % args.sample_every == 0 or last:
+        grid["samples"] = os.path.join(args.output_dir, "samples", f"iter-{done:05d}.png")
+        images, prompts, r = samples
+        save_sample_grid(grid["samples"], images, prompts, r.cpu(), args.group_size)
+    if run.trackers:
+        run.trackers.log(m, done, images=grid)
+    if done % args.sample_every == 0 or last:
+        write_curves(args.output_dir)
+
+
+def log_evaluation(run, done):
+    """Evaluate after `done` iterations (every rank), then rank 0 appends to eval.jsonl, prints a line and saves a picture."""
+    m, images, prompts, r = evaluate(run, done)
+    if run.rank == 0:
+        with open(os.path.join(run.args.output_dir, "eval.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+        print(f"eval {done:5d}/{run.args.iterations} | " + " | ".join(f"{k.removeprefix('eval_')} {v:+.5f}"
+              for k, v in m.items() if k != "iteration"), flush=True)
+        path = os.path.join(run.args.output_dir, "samples", f"eval-{done:05d}.png")
+        if images is not None:
+            save_sample_grid(path, images, prompts, r, run.args.eval_images)
+        if run.trackers:
+            run.trackers.log(m, done, images={"eval_samples": path} if images is not None else {})
+
+
+@torch.no_grad()
+def evaluate(run, done):
+    """Deterministic evaluation on the held-out prompts after `done` iterations: the same noises every time (keyed by
+    prompt and image, never by iteration or --seed, so runs are comparable), the ODE sampler, rewards that may differ
+    from the training reward (so reward hacking shows: training reward up, held-out rewards down). Ranks take every
+    world-th prompt; sums are reduced. -> (metrics, images, prompts, rewards) of this rank's first 4 prompts."""
+    args, fn = run.args, run.eval_reward_fn
+    local = [(i, k) for i in range(run.rank, len(run.eval_prompts), run.world) for k in range(args.eval_images)]
+    names = [name for name, _, _ in fn.parts]
+    sums = torch.zeros(len(names) + 2, dtype=torch.float64)           # each reward, the weighted total, count
+    pictured = []                                                      # (images, prompts, rewards) for the grid
+    for start in range(0, len(local), args.sample_batch):
+        chunk = local[start:start + args.sample_batch]
+        prompts = [run.eval_prompts[i] for i, _ in chunk]
+        _, _, images = generate(run, prompts, [("eval", i, k) for i, k in chunk])
+        total = score(fn, images, prompts, [run.eval_metadata[i] for i, _ in chunk], what="evaluation: ")
+        sums += torch.tensor([*(fn.last_parts[n].double().sum() for n in names), total.double().sum(), len(chunk)])
+        if sum(len(p) for _, p, _ in pictured) < 4 * args.eval_images:
+            pictured.append((images.cpu(), prompts, total))
+    if args.fsdp:  # FSDP gathers weights in every forward: each rank runs as many passes as the busiest one
+        family, busiest = run.family, math.ceil(len(run.eval_prompts) / run.world) * args.eval_images
+        for _ in range(math.ceil(len(local) / args.sample_batch), math.ceil(busiest / args.sample_batch)):
+            rollout(family, family.transformer, family.encode(run.eval_prompts[:1]),
+                    torch.zeros(1, *family.latent_shape, device=run.device), run.sigmas, args, run.negative)
+    if run.world > 1:
+        sums = sums.to(run.device)
+        dist.all_reduce(sums)
+    means = (sums[:-1] / sums[-1].clamp_min(1)).tolist()
+    m = {"iteration": done, **{f"eval_{rewards_lib.metric_name(n)}": v for n, v in zip(names, means)}}
+    if len(names) > 1:
+        m["eval_reward"] = means[-1]
+    if not pictured:
+        return m, None, [], None
+    images, prompts, rewards = zip(*pictured)
+    return m, torch.cat(images), sum(prompts, []), torch.cat(rewards)
+
+
+def summarize(output_dir, history):
+    if len(history) >= 2:
+        k = min(10, len(history) // 2)
+        print(f"vgrpo: done. mean reward of the first {k} iterations {sum(history[:k]) / k:+.5f}, "
+              f"of the last {k} {sum(history[-k:]) / k:+.5f}", flush=True)
+    png = write_curves(output_dir)
+    print(f"vgrpo: reward curves in {os.path.join(output_dir, 'rewards.csv')}"
+          + (f" and {png}" if png else " (pip install matplotlib for rewards.png)"), flush=True)
 
 
 def trim_metrics(path, start):
@@ -1576,62 +1788,24 @@ def plot_curves(plt, rows, columns, path):
     return path
 
 
-def install_stop_handlers():
-    """SIGTERM (cluster preemption) and SIGINT ask the loop to checkpoint and stop after the current
-    iteration; a second signal stops at once."""
-    requested = []
+def save_sample_grid(path, images, prompts, rewards, group_size, max_groups=4, max_members=8):
+    """A PNG: one row per prompt group (its prompt on top), each image with its reward underneath."""
+    from PIL import Image, ImageDraw
 
-    def handler(signum, frame):
-        if requested:
-            raise KeyboardInterrupt
-        requested.append(signal.Signals(signum).name)
-        print(f"vgrpo: {requested[0]} received: saving a checkpoint after this iteration (again to quit now)",
-              file=sys.stderr, flush=True)
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return requested
-
-
-def record(run, it, m, images, prompts, r, first, last):
-    """Rank 0 after iteration it: the metrics line, the progress line, pictures and curves."""
-    args = run.args
-    with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(m) + "\n")
-    print(log_line(m, args.iterations), flush=True)
-    grid = {}
-    if first or (it + 1) % args.sample_every == 0 or last:
-        grid["samples"] = os.path.join(args.output_dir, "samples", f"iter-{it + 1:05d}.png")
-        save_sample_grid(grid["samples"], images, prompts, r.cpu(), args.group_size)
-    if run.trackers:
-        run.trackers.log(m, it + 1, images=grid)
-    if (it + 1) % args.sample_every == 0 or last:
-        write_curves(args.output_dir)
-
-
-def summarize(output_dir, history):
-    if len(history) >= 2:
-        k = min(10, len(history) // 2)
-        print(f"vgrpo: done. mean reward of the first {k} iterations {sum(history[:k]) / k:+.5f}, "
-              f"of the last {k} {sum(history[-k:]) / k:+.5f}", flush=True)
-    png = write_curves(output_dir)
-    print(f"vgrpo: reward curves in {os.path.join(output_dir, 'rewards.csv')}"
-          + (f" and {png}" if png else " (pip install matplotlib for rewards.png)"), flush=True)
-
-
-def log_evaluation(run, it):
-    """Evaluate (every rank), then rank 0 appends to eval.jsonl, prints a line and saves a picture."""
-    m, images, prompts, r = evaluate(run, it)
-    if run.rank == 0:
-        with open(os.path.join(run.args.output_dir, "eval.jsonl"), "a") as f:
-            f.write(json.dumps(m) + "\n")
-        print(f"eval {it:5d}/{run.args.iterations} | " + " | ".join(f"{k.removeprefix('eval_')} {v:+.5f}"
-              for k, v in m.items() if k != "iteration"), flush=True)
-        path = os.path.join(run.args.output_dir, "samples", f"eval-{it:05d}.png")
-        if images is not None:
-            save_sample_grid(path, images, prompts, r, run.args.eval_images)
-        if run.trackers:
-            run.trackers.log(m, it, images={"eval_samples": path} if images is not None else {})
+    groups, cols = min(len(images) // group_size, max_groups), min(group_size, max_members)
+    side = max(128, images.shape[-1])
+    head, foot = 14, 12
+    grid = Image.new("RGB", (cols * side, groups * (head + side + foot)), "white")
+    draw = ImageDraw.Draw(grid)
+    pictures = rewards_lib.to_uint8_images(images)
+    for g in range(groups):
+        top = g * (head + side + foot)
+        draw.text((2, top + 1), prompts[g * group_size][:cols * side // 6], fill="black")
+        for m in range(cols):
+            i = g * group_size + m
+            grid.paste(pictures[i].resize((side, side), Image.NEAREST), (m * side, top + head))
+            draw.text((m * side + 2, top + head + side), f"{rewards[i].item():.4g}", fill="black")
+    grid.save(path)
 
 
 class Trackers:
@@ -1675,90 +1849,6 @@ class Trackers:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
-
-
-def quiet_libraries():
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.set_verbosity_error()  # per-prompt truncation notices would drown the log
-    transformers.utils.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # bf16 norms on CPU
-    # FSDP2 warns that the transformer returns a view; nothing here modifies a model output in place
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-
-def announce(args):
-    """Rank 0 at start: the output folders, the resolved configuration (printed and in config.json)."""
-    os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)
-    print(f"vgrpo: config{f' (preset {args.preset})' if args.preset else ''}: {command_line(args)}", flush=True)
-    if os.path.abspath(args.prompts) == TRAIN_PROMPTS:
-        print(f"vgrpo: no --prompts given: training on the {len(load_prompts(args.prompts)[0])} varied prompts of "
-              f"{args.prompts}. The paper trains on Pick-a-Pic (PickScore), HPDv2 (FLUX, HPSv2), "
-              "GenEval and OCR prompt sets: pass yours with --prompts FILE.txt (a prompt per line) or FILE.jsonl "
-              "(with metadata)", flush=True)
-    with open(os.path.join(args.output_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(args), f, indent=1)
-    print(f"vgrpo: loading model '{args.model}' and reward '{args.reward}' ...", flush=True)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    quiet_libraries()
-    validate(args, int(os.environ.get("WORLD_SIZE", 1)))
-    stop_requested = install_stop_handlers()
-    ddp, rank, world, device = setup_distributed(args.device, args.dist_timeout)
-    if device.type == "cuda" and args.tf32:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    master = rank == 0
-    if master:
-        announce(args)
-    run, start = build_run(args, rank, world, device)
-    if master and args.report_to:
-        run.trackers = Trackers(args)
-    if master:
-        print(describe(run, start), flush=True)
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            trim_metrics(os.path.join(args.output_dir, name), start)
-    if args.eval_every and start == 0:
-        log_evaluation(run, 0)
-    history, bad_streak = [], 0
-    for it in range(start, args.iterations):
-        stats, images, prompts, r, A = train_iteration(run, it)
-        m = iteration_metrics(run, it, stats, r, A)
-        history.append(m["reward_mean"])
-        bad_streak = bad_streak + 1 if m["skipped_steps"] else 0
-        stop = any_rank(stop_requested, world, device)
-        last = it + 1 == args.iterations or stop
-        if master:
-            record(run, it, m, images, prompts, r, first=it == start, last=last)
-        del images  # the next rollout should not have to fit beside this one's pictures
-        if (it + 1) % args.save_every == 0 or last:
-            save_checkpoint(run, it + 1)  # every rank: FSDP gathers the weights and writes sharded AdamW states
-        if args.eval_every and ((it + 1) % args.eval_every == 0 or it + 1 == args.iterations):
-            log_evaluation(run, it + 1)
-        if ddp:
-            dist.barrier()  # nobody runs ahead of a checkpoint being written
-        if bad_streak >= args.max_bad_steps:
-            raise FatalError(f"{bad_streak} consecutive iterations with NaN/Inf rewards, losses or gradients "
-                             f"(--max-bad-steps {args.max_bad_steps}); the last checkpoint holds finite weights")
-        if stop:
-            if master:
-                print(f"vgrpo: stopped after iteration {it + 1}; checkpoint-{it + 1} saved. Continue with the "
-                      f"same command plus --resume auto", flush=True)
-            break
-    if master:
-        summarize(args.output_dir, history)
-        if run.trackers:
-            run.trackers.close()
-    if ddp:
-        dist.barrier()
-        # Leave without tearing the process group down: freeing DDP's reducer drops the last reference to the gloo
-        # group, whose destructor joins a worker thread that needs the GIL the destructor holds (seen with 8 CPU
-        # processes). Everything is written and flushed; torchrun only reads the exit code.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 if __name__ == "__main__":

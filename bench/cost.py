@@ -415,7 +415,7 @@ def peft_casting(pristine, x, rows, rounds, forwards):
     family, params = lora_bf16_family(pristine)
     model, variants = family.transformer, peft_variants(family, params)
     noise, sigma = x["noise"][:rows], torch.tensor(0.7)
-    cond = vgrpo.take(x["cond"], slice(0, rows))
+    cond = vgrpo.rows_of(x["cond"], slice(0, rows))
     fires = []
     hooks = [m.register_forward_pre_hook(lambda m, a: fires.append(a[0].dtype != torch.float32))
              for m in lora_layers(model)]

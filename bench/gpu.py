@@ -123,7 +123,7 @@ def inputs(family, args, text_shape, micro_batch, device):
     sigmas = family.sigma_grid(args.sample_steps)
     sig, eps = vgrpo.draw_pairs(sigmas, args.n_mc, family.latent_shape, [(0, m) for m in range(micro_batch)],
                                 "batch", True, 0, 0, device)
-    batch = {"o": noise[:micro_batch], "cond": vgrpo.take(cond, slice(0, micro_batch)), "sigmas": sig, "eps": eps,
+    batch = {"o": noise[:micro_batch], "cond": vgrpo.rows_of(cond, slice(0, micro_batch)), "sigmas": sig, "eps": eps,
              "A": torch.randn(micro_batch, device=device, generator=g)}
     return cond, noise, sigmas, batch
 
@@ -176,12 +176,12 @@ def measure_model(name, a, gpus, device, deadline):
     # backward with checkpointing's recomputation; AdamW's elementwise work is not counted)
     with torch.no_grad():
         res["flops_forward_row"] = count_flops(
-            lambda: family.velocity(model, noise[:1], sigmas[:1], vgrpo.take(cond, slice(0, 1))))
-    single = {key: vgrpo.take(v, slice(0, 1)) if key == "cond" else v[:1] for key, v in batch.items()}
+            lambda: family.velocity(model, noise[:1], sigmas[:1], vgrpo.rows_of(cond, slice(0, 1))))
+    single = {key: vgrpo.rows_of(v, slice(0, 1)) if key == "cond" else v[:1] for key, v in batch.items()}
     res["flops_update_sample"] = count_flops(lambda: vgrpo.update(
         family, model, optimizer, params, single, dataclasses.replace(one, micro_batch=1, group_size=1), 1))
     phases = {
-        "rollout": (lambda: vgrpo.rollout(family, model, vgrpo.take(cond, slice(0, sb)), noise[:sb], first_k, one),
+        "rollout": (lambda: vgrpo.rollout(family, model, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb], first_k, one),
                     sb, res["flops_forward_row"] * sb * k),
         "old surrogate": (lambda: vgrpo.old_surrogate(family, model, batch, one, 1, from_step=0), mb,
                           res["flops_forward_row"] * mb * args.n_mc),

@@ -1,7 +1,7 @@
 """Mutation testing of the method's functions and the iteration's wiring against the fast tier, with mutmut 3.
 
     python bench/mutation.py                         # every function of FUNCTIONS (about an hour on 2 CPU cores)
-    python bench/mutation.py update take             # some of them
+    python bench/mutation.py update rows_of           # some of them
     python bench/mutation.py --survivors             # then: the diff of every surviving mutant
 
 mutmut turns each function of vgrpo.py into a trampoline that runs one mutant at a time, and runs the fast-tier tests
@@ -23,7 +23,7 @@ import tempfile
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FUNCTIONS = ["group_advantages", "per_reward_advantages", "stratified_sigmas", "noisy_latents", "elbo_surrogate",
              "vgrpo_loss", "draw_pairs", "sample_ode", "rollout", "surrogate", "old_surrogate", "update",
-             "micro_batches", "take", "train_iteration"]
+             "micro_batches", "rows_of", "train_iteration"]
 MUTMUT = os.path.join(os.path.dirname(sys.executable), "mutmut")  # its entry point (`python -m mutmut` re-imports)
 SKIP = shutil.ignore_patterns(".git", ".venv", "mutants", "runs", "__pycache__", ".pytest_cache", "hub_cache")
 

@@ -89,7 +89,7 @@ def rows(o, sigmas, eps, cond, idx):
     """The (sample, pair) rows of samples idx: x_t (b N, *lat), o (b N, *lat), sigma (b N,), cond repeated."""
     n = sigmas.shape[1]
     x_t = vgrpo.noisy_latents(o[idx], sigmas[idx], eps[idx]).flatten(0, 1)
-    return x_t, o[idx].repeat_interleave(n, 0), sigmas[idx].flatten(), vgrpo.take(cond, idx, n)
+    return x_t, o[idx].repeat_interleave(n, 0), sigmas[idx].flatten(), vgrpo.rows_of(cond, idx, n)
 
 
 def nft_update(family, model, optimizer, params, batch, beta, micro_batch, max_grad_norm, weighting="adaptive"):

@@ -42,7 +42,7 @@ def measure(family, o, cond, sigmas, group_size, draws, n_mc, seed):
         for r in range(draws):
             sig, eps = vgrpo.draw_pairs(sigmas, n_mc, family.latent_shape, ids, sharing, stratified, seed, 1000 + r)
             s.append(torch.cat([vgrpo.surrogate(family, family.transformer, o[idx], sig[idx], eps[idx],
-                                                vgrpo.take(cond, idx), weighting)[0]
+                                                vgrpo.rows_of(cond, idx), weighting)[0]
                                 for idx in torch.arange(len(o)).split(16)]))
         s = torch.stack(s)                                             # (R, B)
         cv = (s.std(0) / s.mean(0).abs()).mean().item()

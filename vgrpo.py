@@ -90,7 +90,8 @@ class Args:
     sample_steps: int = arg(None, "ODE steps per rollout (default: 40 SD3, 16 FLUX, 10 tiny)")
     guidance: float = arg(None, "SD3: classifier-free guidance scale (default 1 = off, as the paper trains SD3.5-M); "
                                 "FLUX: the guidance embedding's value (default 3.5), one pass")
-    iterations: int = arg(None, "total training iterations, a resumed run continues up to it (150 SD3, 300 FLUX, 60 tiny)")
+    iterations: int = arg(None, "total training iterations, a resumed run continues up to it (150 SD3, 300 FLUX, "
+                                "60 tiny)")
     prompts_per_step: int = arg(None, "P: prompts per iteration, GLOBAL over all processes (48 SD3, 32 FLUX, 4 tiny)")
     group_size: int = arg(None, "G: images per prompt, the GRPO group (24 SD3, 12 FLUX, 8 tiny)")
     n_mc: int = arg(4, "N_MC: (sigma, eps) pairs per sample in the ELBO surrogate")
@@ -101,7 +102,8 @@ class Args:
     beta: float = arg(0.0, "weight of the KL-to-sampling-policy term (0.3 in the paper's last SD3.5 stage)")
     adv_soft_clip: float = arg(None, "eta for A <- eta * tanh(A / eta); 0 turns it off (default: 3 for SD3, as the "
                                      "paper's on-policy SD3.5 runs; 0 otherwise)")
-    inner_steps: int = arg(None, "optimizer steps per rollout batch; must divide the group size (1 SD3 and tiny, 4 FLUX)")
+    inner_steps: int = arg(None, "optimizer steps per rollout batch; must divide the group size (1 SD3 and tiny, "
+                                 "4 FLUX)")
     micro_batch: int = arg(None, "samples per training forward pass, N_MC rows each (default: gcd(minibatch, 16 "
                                  "tiny / 4))")
     sample_batch: int = arg(None, "samples per pass in rollouts, VAE decoding and evaluation: no gradients, no kept "
@@ -111,7 +113,8 @@ class Args:
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     lora_rank: int = arg(32, "LoRA rank (ignored with --full-finetune)")
     lora_alpha: float = arg(64.0, "LoRA alpha")
-    full_finetune: bool = arg(None, "train every transformer weight instead of LoRA (default: on for the tiny models only)")
+    full_finetune: bool = arg(None, "train every transformer weight instead of LoRA (default: on for the tiny models "
+                                    "only)")
     fsdp: bool = arg(False, "shard weights, gradients and AdamW states over the processes with FSDP2 (each block, then "
                             "the root): full fine-tuning of FLUX.1-dev; under torchrun, bf16 or float32")
     mixed_precision: str = arg(None, "bf16, fp16 or no: dtype of the transformer's matmuls (and of frozen weights); "
@@ -120,10 +123,12 @@ class Args:
     gradient_checkpointing: bool = arg(None, "recompute activations in the backward pass (less memory, ~30%% slower; "
                                              "on for real models)")
     tf32: bool = arg(True, "allow TF32 matmuls on CUDA (Ampere and newer)")
-    offload_text_encoders: bool = arg(True, "keep the text encoders on the CPU except while new prompts are encoded (CUDA)")
+    offload_text_encoders: bool = arg(True, "keep the text encoders on the CPU except while new prompts are encoded "
+                                            "(CUDA)")
     seed: int = arg(0, "seed: every random draw is keyed by (seed, iteration, prompt, member)")
     output_dir: str = arg("runs/vgrpo", "where metrics.jsonl, sample grids and checkpoints go")
-    resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in --output-dir")
+    resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in "
+                          "--output-dir")
     save_every: int = arg(None, "save a checkpoint every N iterations and at the end (25 real models, 50 tiny)")
     keep_last: int = arg(0, "keep only the newest N checkpoints (0 keeps all)")
     max_bad_steps: int = arg(3, "stop after this many consecutive iterations with NaN/Inf rewards, losses or gradients")
@@ -146,9 +151,8 @@ class Args:
 # 40-step DPM-Solver++ without CFG, one optimizer step per iteration with the advantage soft clip. FLUX.1-dev: 16-step
 # DPM-Solver++, several clipped steps per iteration; 12 images per prompt at 720 px (MixGRPO's setting on the same
 # benchmark). The tiny CPU models are fully fine-tuned at 2e-3: LoRA on their few weights learns far less in minutes.
+MODEL_IDS = {"sd3": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev"}
 _REAL = dict(mixed_precision="bf16", gradient_checkpointing=True, full_finetune=False, save_every=25)
-
-
 RECIPES = {
     "sd3": dict(_REAL, reward="pickscore", resolution=512, sample_steps=40, guidance=1.0, iterations=150,
                 prompts_per_step=48, group_size=24, inner_steps=1, adv_soft_clip=3.0, sample_batch=24),
@@ -157,17 +161,10 @@ RECIPES = {
     "tiny": dict(reward="jpeg:100", resolution=32, sample_steps=10, guidance=1.0, iterations=60, prompts_per_step=4,
                  group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no", gradient_checkpointing=False,
                  full_finetune=True, save_every=50, prompts="", sample_batch=16),
-    "tiny-flux": dict(reward="jpeg:100", resolution=32, sample_steps=10, guidance=3.5, iterations=60,
-                      prompts_per_step=4, group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no",
-                      gradient_checkpointing=False, full_finetune=True, save_every=50, prompts="", sample_batch=16),
 }
-
-
+RECIPES["tiny-flux"] = dict(RECIPES["tiny"], guidance=3.5)  # the guidance embedding's value, as FLUX.1-dev
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
 TRAIN_PROMPTS = os.path.join(HERE, "prompts", "train.txt")  # a real model's prompts when --prompts is not given
-
 
 # Named stages of the paper's curriculum: a model and a reward (and what the stage changes); the model's recipe
 # fills in the rest, and explicit flags override both.
@@ -281,8 +278,8 @@ def vgrpo_loss(s_new, s_old, advantages, clip_eps, beta=0.0, x0_new=None, x0_old
 
     ratio = exp(s_new - s_old); loss = -mean(min(ratio A, clamp(ratio, 1 - clip_eps, 1 + clip_eps) A))
     + beta * mean((x0_new - x0_old)^2), the KL to the sampling policy taken as the mean squared difference of
-    the two x-predictions on the same pairs (logged as `kl`). Returns (loss, stats); stats are detached 0-dim tensors, so that a
-    caller on a GPU reads them once per iteration instead of synchronising at every micro-batch.
+    the two x-predictions on the same pairs (logged as `kl`). Returns (loss, stats); stats are detached 0-dim
+    tensors, so that a caller on a GPU reads them once per iteration instead of synchronising at every micro-batch.
     """
     ratio = torch.exp(s_new - s_old)
     unclipped = ratio * advantages
@@ -703,17 +700,16 @@ class UsageError(FatalError):
 
 # checkpoint settings that must match to resume; everything else may change (a curriculum changes rewards)
 RESUME_MUST_MATCH = ("model", "full_finetune", "lora_rank", "lora_alpha", "resolution", "fsdp")
-
-
 SAMPLERS = ("dpmpp2m", "euler")
-
-
-PAIR_SHARING = ("batch", "group", "none")
-
-
-MODEL_IDS = {"sd3": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev"}
-
-
+AMP_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the flags with a fixed set of values: attribute -> (how an error names it, the valid values)
+CHOICES = {
+    "sampler": ("sampler", SAMPLERS),
+    "pair_sharing": ("--pair-sharing", ("batch", "group", "none")),
+    "weighting": ("--weighting", ("adaptive", "none")),
+    "mixed_precision": ("--mixed-precision", tuple(AMP_DTYPES)),
+    "reward_advantage": ("--reward-advantage", ("sum", "per-reward")),
+}
 DEFAULT_PROMPTS = [  # the tiny CPU demo's prompts; a real model trains on prompts/train.txt or --prompts
     "a red apple on a wooden table", "a cat sleeping on a sofa", "a lighthouse at sunset",
     "a bowl of ramen", "a snowy mountain village", "an astronaut riding a horse",
@@ -724,35 +720,36 @@ DEFAULT_PROMPTS = [  # the tiny CPU demo's prompts; a real model trains on promp
 
 def validate(args, world_size):
     """Every check that needs no model, so a wrong flag fails in a second with one line. Also resolves
-    the default micro-batch, which depends on the per-process minibatch."""
+    the default micro-batch, which depends on the per-process minibatch, and --resume auto."""
     if not is_tiny(args.model) and args.model not in MODEL_IDS and not os.path.isdir(args.model) \
             and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.model):
         raise UsageError(f"unknown model '{args.model}': use tiny, tiny-flux, {', '.join(MODEL_IDS)}, "
                          "a Hugging Face id (org/name) or a local pipeline directory")
-    if args.sampler not in SAMPLERS:
-        raise UsageError(f"unknown sampler '{args.sampler}': valid choices are {', '.join(SAMPLERS)}")
-    if args.pair_sharing not in PAIR_SHARING:
-        raise UsageError(f"unknown --pair-sharing '{args.pair_sharing}': valid choices are {', '.join(PAIR_SHARING)}")
-    if args.weighting not in ("adaptive", "none"):
-        raise UsageError(f"unknown --weighting '{args.weighting}': valid choices are adaptive, none")
-    if args.mixed_precision not in AMP_DTYPES:
-        raise UsageError(f"unknown --mixed-precision '{args.mixed_precision}': valid choices are {', '.join(AMP_DTYPES)}")
-    if args.reward_advantage not in ("sum", "per-reward"):
-        raise UsageError(f"unknown --reward-advantage '{args.reward_advantage}': valid choices are sum, per-reward")
+    for name, (called, valid) in CHOICES.items():
+        if getattr(args, name) not in valid:
+            raise UsageError(f"unknown {called} '{getattr(args, name)}': valid choices are {', '.join(valid)}")
     check_reward_specs(args)
     for name in filter(None, args.report_to.split(",")):
-        package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(name)
-        if package is None:
+        if name not in ("tensorboard", "wandb"):
             raise UsageError(f"unknown --report-to '{name}': valid choices are tensorboard, wandb")
-        if importlib.util.find_spec(package) is None:
-            raise UsageError(f"--report-to {name} needs the {package} package: pip install {package}")
-    for name in ("sample_steps", "iterations", "prompts_per_step", "n_mc", "inner_steps", "save_every", "sample_every"):
+        if importlib.util.find_spec(name) is None:
+            raise UsageError(f"--report-to {name} needs the {name} package: pip install {name}")
+    check_sizes(args, world_size)
+    check_paths(args)
+
+
+def check_sizes(args, world_size):
+    """Counts, batch arithmetic over the processes, and the scalars' signs."""
+    for name in ("sample_steps", "iterations", "prompts_per_step", "n_mc", "inner_steps", "save_every", "sample_every",
+                 "sample_batch"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.group_size < 2:
-        raise UsageError(f"--group-size must be at least 2 (advantages compare samples of a prompt), got {args.group_size}")
+        raise UsageError(f"--group-size must be at least 2 (advantages compare samples of a prompt), "
+                         f"got {args.group_size}")
     if args.n_mc > args.sample_steps:
-        raise UsageError(f"--n-mc {args.n_mc} exceeds --sample-steps {args.sample_steps}: stratification needs a grid point per pair")
+        raise UsageError(f"--n-mc {args.n_mc} exceeds --sample-steps {args.sample_steps}: stratification needs a "
+                         "grid point per pair")
     if args.prompts_per_step % world_size:
         below = args.prompts_per_step // world_size * world_size
         nearest = " or ".join(str(p) for p in (below, below + world_size) if p > 0)
@@ -766,8 +763,6 @@ def validate(args, world_size):
     if args.fsdp and ("RANK" not in os.environ or args.mixed_precision == "fp16"):
         raise UsageError("--fsdp shards over torchrun's processes (launch with torchrun) and computes in bf16 or "
                          "float32 (fp16's loss scaler is not sharded)")
-    if args.sample_batch < 1:
-        raise UsageError(f"--sample-batch must be at least 1, got {args.sample_batch}")
     if args.micro_batch < 1 or local_minibatch % args.micro_batch:
         raise UsageError(f"--micro-batch {args.micro_batch} must divide the per-process minibatch of "
                          f"{local_minibatch} samples (P/world * G / inner-steps)")
@@ -775,13 +770,17 @@ def validate(args, world_size):
         raise UsageError("--clip-eps and --lr must be positive; --beta and --adv-soft-clip non-negative")
     if args.resolution < 16 or args.resolution % 16:
         raise UsageError(f"--resolution must be a positive multiple of 16, got {args.resolution}")
-    for flag, path in (("--prompts", args.prompts), ("--eval-prompts", args.eval_prompts)):
-        if path and not os.path.isfile(path):
-            raise UsageError(f"{flag}: prompt file not found: {path}")
     if args.eval_every < 0 or args.eval_images < 1 or (args.eval_every and not args.eval_prompts):
         raise UsageError("--eval-every needs --eval-prompts (and must be >= 0); --eval-images must be >= 1")
     if args.keep_last < 0 or args.max_bad_steps < 1 or args.dist_timeout < 1:
         raise UsageError("--keep-last must be >= 0, --max-bad-steps and --dist-timeout >= 1")
+
+
+def check_paths(args):
+    """Prompt files exist, the output folder is writable, --resume names a checkpoint of this configuration."""
+    for flag, path in (("--prompts", args.prompts), ("--eval-prompts", args.eval_prompts)):
+        if path and not os.path.isfile(path):
+            raise UsageError(f"{flag}: prompt file not found: {path}")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
@@ -803,7 +802,8 @@ def check_reward_specs(args):
             raise UsageError(f"{flag} {spec}: a reward is named twice; give it one weight")
         clash = [n for n in names if rewards_lib.metric_name(n) in ("mean", "std", "group_std", "reward")]
         if clash:  # its metric would overwrite reward_mean, reward_std, ... or eval_reward
-            raise UsageError(f"{flag}: rename the reward function {clash[0]!r}: its metric name clashes with a built-in one")
+            raise UsageError(f"{flag}: rename the reward function {clash[0]!r}: its metric name clashes with a "
+                             "built-in one")
 
 
 def check_resume_matches(args):
@@ -860,6 +860,9 @@ def load_prompts(path):
 # decode(o), sigma_grid(steps), latent_shape, save_lora(dir). SD3 and FLUX differ only in what is below.
 
 
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # the pipelines' names (SD3: three, FLUX: two)
+
+
 class Family:
     """What SD3 and FLUX share: prompt embeddings encoded once at start (or, when they would not fit, cached per
     prompt with the text encoders offloaded to the CPU between uses), mixed-precision forward passes, LoRA saving
@@ -883,8 +886,7 @@ class Family:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def text_encoders(self):
-        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
-        return [getattr(self.pipe, n) for n in names if getattr(self.pipe, n, None) is not None]
+        return [getattr(self.pipe, n) for n in TEXT_ENCODERS if getattr(self.pipe, n, None) is not None]
 
     @torch.no_grad()
     def encode_all(self, prompts, path, write=True, batch_size=32):
@@ -915,7 +917,7 @@ class Family:
         self._stored = [t.pin_memory() if pin else t.to(self.device) for t in stored]
         self._store = {p: i for i, p in enumerate(unique)}
         if self.offload:  # only the store is read from now on
-            for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            for name in TEXT_ENCODERS:
                 setattr(self.pipe, name, None)
         return True
 
@@ -1059,23 +1061,21 @@ class FluxFamily(Family):
 
     @torch.no_grad()
     def decode(self, o):
-        return self.vae_decode(self.pipe._unpack_latents(o, self.resolution, self.resolution, self.pipe.vae_scale_factor))
+        side, scale = self.resolution, self.pipe.vae_scale_factor
+        return self.vae_decode(self.pipe._unpack_latents(o, side, side, scale))
 
 
 def model_kind(model):
     """'sd3' or 'flux' for a --model value (a local folder says in its model_index.json)."""
-    if model in ("tiny", "sd3"):
-        return "sd3"
-    if model in ("tiny-flux", "flux"):
-        return "flux"
+    if model in ("sd3", "flux"):
+        return model
+    if is_tiny(model):
+        return "flux" if model == "tiny-flux" else "sd3"
     index = os.path.join(model, "model_index.json")
     if os.path.isfile(index):
         with open(index) as f:
             return "flux" if "Flux" in json.load(f).get("_class_name", "") else "sd3"
     return "flux" if "flux" in model.lower() else "sd3"
-
-
-AMP_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_family(args, device):
@@ -1106,9 +1106,9 @@ def load_family(args, device):
     for part in (pipe.transformer, pipe.vae):
         part.to(device).requires_grad_(False)
     offload = args.offload_text_encoders and device.type == "cuda"
-    for enc in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None)):
-        if enc is not None:
-            enc.requires_grad_(False).to("cpu" if offload else device)
+    for name in TEXT_ENCODERS:
+        if getattr(pipe, name, None) is not None:
+            getattr(pipe, name).requires_grad_(False).to("cpu" if offload else device)
     if args.gradient_checkpointing:
         pipe.transformer.enable_gradient_checkpointing()
     kw = dict(amp_dtype=amp, offload_text_encoders=offload)
@@ -1192,7 +1192,8 @@ def build_run(args, rank, world, device):
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type) if args.mixed_precision == "fp16" else None
     negative = family.encode([""]) if family.cfg and args.guidance > 1 else None
-    run = Run(args, family, model, optimizer, params, reward_fn, prompts, metadata, family.sigma_grid(args.sample_steps),
+    sigmas = family.sigma_grid(args.sample_steps)
+    run = Run(args, family, model, optimizer, params, reward_fn, prompts, metadata, sigmas,
               negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn)
     if args.resume:
         load_training_state(args.resume, run)
@@ -1246,7 +1247,8 @@ def tiny_vae(scaling_factor, shift_factor):
 def build_tiny_sd3_pipeline(seed=0):
     """A small StableDiffusion3Pipeline with random weights, built in code: 32 px images, a VAE that
     downsamples 2x, patch size 1 -> 256 image tokens; 2 MMDiT layers of 4 heads x 16; two CLIP text
-    encoders of width 32 reading 32 byte tokens, no T5. Deterministic in `seed`, so every process builds the same one."""
+    encoders of width 32 reading 32 byte tokens, no T5. Deterministic in `seed`, so every process builds the same
+    one."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     with torch.random.fork_rng(devices=[]):
@@ -1279,7 +1281,8 @@ def build_tiny_flux_pipeline(seed=0):
             num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
             axes_dims_rope=(4, 6, 6)).eval()
         vae = tiny_vae(0.3611, 0.1159)
-        vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(chr(c), -1.0) for c in range(32, 127)] + [("▁", -1.0)]
+        characters = [(chr(c), -1.0) for c in range(32, 127)] + [("▁", -1.0)]
+        vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + characters
         t5 = T5EncoderModel(T5Config(vocab_size=len(vocab), d_model=32, d_kv=8, d_ff=64, num_layers=1,
                                      num_heads=4, dropout_rate=0.0)).eval()
     tokenizer, text_encoder = tiny_clip_text(False, seed + 1)
@@ -1328,9 +1331,11 @@ def check_ranks_agree(args, transformer, world, device):
     everyone = all_gather_cat(mine.unsqueeze(0), world)
     for rank, other in enumerate(everyone):
         if other[0] != everyone[0][0]:
-            raise FatalError(f"rank {rank} runs a different configuration than rank 0: launch every node with the same flags")
+            raise FatalError(f"rank {rank} runs a different configuration than rank 0: launch every node with the "
+                             "same flags")
         if other[1] != everyone[0][1]:
-            raise FatalError(f"rank {rank} starts from different weights than rank 0 (model files differ between nodes?)")
+            raise FatalError(f"rank {rank} starts from different weights than rank 0 (model files differ between "
+                             "nodes?)")
 
 
 def all_gather_cat(t, world):
@@ -1577,7 +1582,8 @@ def describe(run, start):
         f"vgrpo: model {a.model} ({run.family.latent_shape} latents, {run.family.image_tokens} image tokens), "
         f"reward {a.reward}, {'full fine-tuning' if a.full_finetune else f'LoRA r={a.lora_rank} alpha={a.lora_alpha}'}"
         f" ({n_params:,} trainable), {a.sampler} x {a.sample_steps} steps, device {run.device}",
-        f"batch: {a.prompts_per_step} prompts x {a.group_size} images = {a.prompts_per_step * a.group_size} samples per "
+        f"batch: {a.prompts_per_step} prompts x {a.group_size} images = {a.prompts_per_step * a.group_size} samples "
+        "per "
         f"iteration over {run.world} process(es) -> {run.n_prompts} prompt group(s) = {per_rank} samples each",
         f"update: {a.inner_steps} optimizer step(s) per iteration of {minibatch * run.world} samples "
         f"({minibatch} per process, micro-batches of {a.micro_batch} x {a.n_mc} pairs = "
@@ -1585,7 +1591,8 @@ def describe(run, start):
         f"precision: {a.mixed_precision if a.mixed_precision != 'no' else 'float32'} matmuls, float32 surrogate and "
         f"trained weights{', gradient checkpointing' if a.gradient_checkpointing else ''}"
         f"{', text encoders offloaded to the CPU' if run.family.offload else ''}",
-        f"iterations {start + 1}..{a.iterations}, output in {a.output_dir}" + (f", resumed from {a.resume}" if a.resume else "")
+        f"iterations {start + 1}..{a.iterations}, output in {a.output_dir}"
+        + (f", resumed from {a.resume}" if a.resume else "")
         + (f"; evaluation of {len(run.eval_prompts)} prompts x {a.eval_images} every {a.eval_every} iterations with "
            f"{a.eval_rewards or a.reward}" if a.eval_every else ""),
     ])
@@ -1652,7 +1659,7 @@ def record(run, m, samples, first, last):
 
 
 def log_evaluation(run, done):
-    """Evaluate after `done` iterations (every rank), then rank 0 appends to eval.jsonl, prints a line and saves a picture."""
+    """Evaluate after `done` iterations (every rank); rank 0 appends to eval.jsonl, prints a line, saves a picture."""
     m, images, prompts, r = evaluate(run, done)
     if run.rank == 0:
         with open(os.path.join(run.args.output_dir, "eval.jsonl"), "a") as f:

@@ -1,4 +1,4 @@
-"""Tests of the rewards in reward.py beyond the CLIP-similarity ones in test_vgrpo.py.
+"""Tests of the rewards in reward.py on their own (the training runs that use them: test_vgrpo.py).
 
 Each value is checked against the formula written again here, on tiny random models built in code (no
 download). Optional packages, skipped when absent (CI installs them):
@@ -13,6 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import functools
 import importlib
 import importlib.util
+import json
 import random
 import sys
 import types
@@ -22,11 +23,165 @@ import pytest
 import torch
 
 import reward
+import vgrpo
 
 
 def _images(n=4, side=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.rand(n, 3, side, side, generator=g)
+
+
+# --------------------------------------------------------------------------- JPEG, CLIP similarity, reward specs
+
+
+def _smooth_or_noise_images(n=4, side=32, seed=0):
+    """Even members smooth (bilinear from 4x4), odd members uniform noise; not the uniform-noise _images above."""
+    g = torch.Generator().manual_seed(seed)
+    smooth = torch.nn.functional.interpolate(torch.rand(n, 3, 4, 4, generator=g), size=side, mode="bilinear")
+    return torch.where(torch.arange(n).view(n, 1, 1, 1) % 2 == 0, smooth, torch.rand(n, 3, side, side, generator=g))
+
+
+def test_jpeg_reward_is_minus_kilobytes_over_500():
+    import io
+    from PIL import Image
+    images = _smooth_or_noise_images()
+    want = []
+    for im in images:
+        buf = io.BytesIO()
+        Image.fromarray((im.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).save(buf, "JPEG", quality=95)
+        want.append(-len(buf.getvalue()) / 1000 / 500)
+    got = reward.load_reward("jpeg")(images, [""] * 4)
+    assert got.dtype == torch.float32 and got.shape == (4,)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    assert got[0] > got[1]                                   # smooth compresses better than noise
+    np.testing.assert_allclose(reward.load_reward("jpeg:100,jpeg:-0.5")(images, [""] * 4).numpy(),
+                               99.5 * np.array(want), rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+    d = tmp_path_factory.mktemp("clip_tok")
+    vgrpo.write_byte_tokenizer(str(d))
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=512, eos_token_id=513,
+                         pad_token_id=513),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8), projection_dim=16)
+    model = CLIPModel(config).eval()
+    processor = CLIPProcessor(CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+                              CLIPTokenizer.from_pretrained(str(d), model_max_length=64))
+    return model, processor
+
+
+@pytest.mark.parametrize("use_logit_scale,divide_by", [(True, 26.0), (False, 1.0)])
+def test_clip_rewards_match_formula(tiny_clip, use_logit_scale, divide_by):
+    model, processor = tiny_clip
+    images, prompts = _smooth_or_noise_images(seed=1), ["a red cat", "a dog", "two blue birds", "a house"]
+    fn = reward.clip_similarity_reward(model, processor, "cpu", use_logit_scale, divide_by)
+    got = fn(images, prompts)
+    pil = [reward.to_uint8_images(images[i:i + 1])[0] for i in range(4)]
+    inputs = processor(text=prompts, images=pil, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**inputs).logits_per_image.diagonal()   # logit_scale.exp() * cos
+    want = logits / (1 if use_logit_scale else model.logit_scale.exp()) / divide_by
+    assert got.shape == (4,) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_reward_spec_errors():
+    with pytest.raises(ValueError, match="unknown reward 'foo'.*jpeg, pickscore, clipscore"):
+        reward.parse_reward_spec("jpeg,foo")
+    with pytest.raises(ValueError, match="not a number"):
+        reward.parse_reward_spec("jpeg:x")
+    assert reward.parse_reward_spec("pickscore:1,clipscore:0.5") == [("pickscore", 1.0), ("clipscore", 0.5)]
+    bad = reward.WeightedReward([("broken", 1.0, lambda images, prompts: torch.zeros(len(images) + 1))])
+    with pytest.raises(reward.RewardError, match="'broken'"):
+        bad(torch.zeros(2, 3, 8, 8), ["", ""])
+
+
+# --------------------------------------------------------------------------- the HTTP reward
+
+
+def _serve(mode, seen):
+    """A reward server on localhost: ok (mean brightness), slow (never answers in time), garbage."""
+    import base64
+    import http.server
+    import io
+    import threading
+    import time
+    from PIL import Image
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            if mode == "slow":
+                time.sleep(1.0)
+            images = [np.asarray(Image.open(io.BytesIO(base64.b64decode(b)))) / 255 for b in body["images"]]
+            answer = b"<html>oops</html>" if mode == "garbage" else \
+                json.dumps({"rewards": [float(im.mean()) for im in images]}).encode()
+            try:
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(answer)
+            except OSError:
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/score"
+
+
+def test_http_reward_against_a_local_server():
+    seen = []
+    server, url = _serve("ok", seen)
+    try:
+        images = _smooth_or_noise_images()
+        metadata = [{"tag": "colors", "value": i} for i in range(4)]
+        got = reward.load_reward(url)(images, ["a", "b", "c", "d"], metadata)
+        want = [np.asarray(im).mean() / 255 for im in reward.to_uint8_images(images)]
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+        assert seen[0]["prompts"] == ["a", "b", "c", "d"] and seen[0]["metadata"] == metadata
+        reward.load_reward(url)(images, ["a", "b", "c", "d"])           # a .txt prompt file: no metadata
+        assert seen[1]["metadata"] == [{}, {}, {}, {}]
+        assert reward.parse_reward_spec(f"{url}:0.5,jpeg") == [(url, 0.5), ("jpeg", 1.0)]
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["slow", "garbage", "down"])
+def test_http_reward_failures_name_the_server(mode):
+    import time
+    seen = []
+    if mode == "down":
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}/score"   # nothing listens there once closed
+        server = None
+    else:
+        server, url = _serve(mode, seen)
+    try:
+        fn = reward.http_reward(url, timeout=0.3, retries=2, backoff=0.1)
+        t0 = time.time()
+        with pytest.raises(reward.RewardError, match=url.replace("/", "/")) as e:
+            fn(_smooth_or_noise_images(), ["a"] * 4)
+        if mode == "garbage":
+            assert "answered something" in str(e.value) and len(seen) == 1
+        else:
+            assert "failed 3 times" in str(e.value)
+            assert time.time() - t0 >= 0.1 + 0.2                 # backoff 0.1 s, then 0.2 s
+        if mode == "slow":
+            assert len(seen) == 3
+    finally:
+        if server:
+            server.shutdown()
 
 
 # --------------------------------------------------------------------------- OCR: pure parts

@@ -36,7 +36,6 @@ Where this code fills a gap in, or departs from, the paper:
     not say, and `per-reward` (each reward's group advantage, then the weighted sum) is MixGRPO's choice.
 """
 
-
 from __future__ import annotations
 
 import collections

@@ -402,8 +402,9 @@ def train_iteration(run, it):
     # 2. Reward, 3. group-normalised advantages (each rank owns whole groups: no communication)
     with timer("reward"):
         r = score(run.reward_fn, images, prompts, metadata).to(run.device)
-        A = advantages(run, r)
-    if any_nonfinite(run, it, r, A):  # every rank skips together, or DDP would hang
+        A = iteration_advantages(run, r)
+        skip = any_nonfinite(run, it, r, A)  # every rank skips together, or DDP would hang
+    if skip:
         return dict(SKIPPED_STATS, skipped_steps=args.inner_steps, **timer.stats()), images, prompts, r, A
     # 4. Shared, stratified pairs; the old surrogate for the minibatches after the first (none with one inner step)
     with timer("old"):
@@ -440,7 +441,7 @@ def generate(run, prompts, noise_keys):
     return cond, o, decode(family, o, run.args.sample_batch)
 
 
-def advantages(run, r):
+def iteration_advantages(run, r):
     """The group advantages of the summed reward r, or with --reward-advantage per-reward (and several rewards)
     the weighted mean of each reward's own group advantages."""
     args, fn = run.args, run.reward_fn
@@ -598,7 +599,7 @@ def main(argv=None):
             save_checkpoint(run, done)  # every rank: FSDP gathers the weights and writes sharded AdamW states
         if args.eval_every and (done % args.eval_every == 0 or done == args.iterations):
             log_evaluation(run, done)
-        if dist.is_initialized():
+        if distributed():
             dist.barrier()  # nobody runs ahead of a checkpoint being written
         if bad_streak >= args.max_bad_steps:
             raise FatalError(f"{bad_streak} consecutive iterations with NaN/Inf rewards, losses or gradients "
@@ -622,7 +623,7 @@ def main(argv=None):
 def start_run(args):
     """Processes, then (rank 0) the output folder and the resolved configuration, then the model, reward, optimizer
     and a checkpoint to resume from; rank 0 says what will run and trims logs written after that checkpoint."""
-    _, rank, world, device = setup_distributed(args.device, args.dist_timeout)
+    rank, world, device = setup_distributed(args.device, args.dist_timeout)
     if device.type == "cuda" and args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if rank == 0:
@@ -642,7 +643,7 @@ def finish(run, history):
         summarize(run.args.output_dir, history)
         if run.trackers:
             run.trackers.close()
-    if dist.is_initialized():
+    if distributed():
         dist.barrier()
         # Leave without tearing the process group down: freeing DDP's reducer drops the last reference to the gloo
         # group, whose destructor joins a worker thread that needs the GIL the destructor holds (seen with 8 CPU
@@ -1306,7 +1307,11 @@ def setup_distributed(device_arg, timeout_s=600):
     if ddp:
         # a bounded timeout: a rank that died or hangs makes the others fail instead of waiting forever
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    return ddp, rank, world, device
+    return rank, world, device
+
+
+def distributed():
+    return dist.is_available() and dist.is_initialized()
 
 
 def any_rank(flag, world, device):
@@ -1581,9 +1586,9 @@ def describe(run, start):
         f"vgrpo: model {a.model} ({run.family.latent_shape} latents, {run.family.image_tokens} image tokens), "
         f"reward {a.reward}, {'full fine-tuning' if a.full_finetune else f'LoRA r={a.lora_rank} alpha={a.lora_alpha}'}"
         f" ({n_params:,} trainable), {a.sampler} x {a.sample_steps} steps, device {run.device}",
-        f"batch: {a.prompts_per_step} prompts x {a.group_size} images = {a.prompts_per_step * a.group_size} samples "
-        "per "
-        f"iteration over {run.world} process(es) -> {run.n_prompts} prompt group(s) = {per_rank} samples each",
+        f"batch: {a.prompts_per_step} prompts x {a.group_size} images = {a.prompts_per_step * a.group_size} "
+        f"samples per iteration over {run.world} process(es) -> {run.n_prompts} prompt group(s) = {per_rank} "
+        "samples each",
         f"update: {a.inner_steps} optimizer step(s) per iteration of {minibatch * run.world} samples "
         f"({minibatch} per process, micro-batches of {a.micro_batch} x {a.n_mc} pairs = "
         f"{a.micro_batch * a.n_mc} rows per forward, {minibatch // a.micro_batch} accumulated)",

@@ -1,13 +1,13 @@
 """Mutation testing of the method's functions and the iteration's wiring against the fast tier, with mutmut 3.
 
     python bench/mutation.py                         # every function of FUNCTIONS (about an hour on 2 CPU cores)
-    python bench/mutation.py update rows_of           # some of them
+    python bench/mutation.py update rows_of          # some of them
     python bench/mutation.py --survivors             # then: the diff of every surviving mutant
 
 mutmut turns each function of vgrpo.py into a trampoline that runs one mutant at a time, and runs the fast-tier tests
-that call the function (setup.cfg, [mutmut]). It leaves decorated functions alone, so sample_ode, rollout and
-old_surrogate, which are @torch.no_grad(), would never be mutated: the run works on a copy of the project in which
-those three are wrapped after their definition instead (`rollout = torch.no_grad()(rollout)`, the same function).
+that call the function (setup.cfg, [mutmut]). It leaves decorated functions alone, so sample_ode, rollout,
+old_surrogate and generate, which are @torch.no_grad(), would never be mutated: the run works on a copy of the project in
+which those are wrapped after their definition instead (`rollout = torch.no_grad()(rollout)`, the same function).
 Prints the score per function as a markdown table; bench/results/mutation.md holds the last one and the survivors.
 """
 
@@ -21,9 +21,10 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FUNCTIONS = ["group_advantages", "per_reward_advantages", "stratified_sigmas", "noisy_latents", "elbo_surrogate",
-             "vgrpo_loss", "draw_pairs", "sample_ode", "rollout", "surrogate", "old_surrogate", "update",
-             "micro_batches", "rows_of", "train_iteration"]
+FUNCTIONS = ["group_advantages", "per_reward_advantages", "soft_clip_advantages", "stratified_sigmas", "noise_levels",
+             "per_pair", "noisy_latents", "elbo_surrogate", "vgrpo_loss", "draw_pairs", "sample_ode", "rollout",
+             "surrogate", "old_surrogate", "update", "micro_batches", "rows_of", "train_iteration", "local_samples",
+             "generate", "iteration_advantages"]
 MUTMUT = os.path.join(os.path.dirname(sys.executable), "mutmut")  # its entry point (`python -m mutmut` re-imports)
 SKIP = shutil.ignore_patterns(".git", ".venv", "mutants", "runs", "__pycache__", ".pytest_cache", "hub_cache")
 

@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -617,6 +618,27 @@ ITERATION_CASES = {
          "--guidance", "2.5", "--weighting", "none", "--micro-batch", "4", "--sample-batch", "5"],
         {"brightness": 2.0, "redness": -1.0}),
 }
+
+
+def test_each_rank_takes_its_own_slots_of_the_iterations_keyed_prompt_order():
+    """Slot j of iteration it (counted over all ranks) takes prompt order[j % len(prompts)], where order is the
+    permutation drawn with keyed_generator(seed, "prompts", it); rank r of W holds slots [r P/W, (r+1) P/W), each
+    as G members. 8 slots over a 5-prompt file wrap around."""
+    prompts, metadata = [f"prompt {i}" for i in range(5)], [{"line": i} for i in range(5)]
+    P, W, G = 8, 2, 3
+    orders = []
+    for it in (IT, IT + 1):
+        order = torch.randperm(5, generator=vgrpo.keyed_generator(SEED, "prompts", it)).tolist()
+        orders.append(order)
+        for rank in range(W):
+            run = types.SimpleNamespace(prompts=prompts, metadata=metadata, rank=rank, n_prompts=P // W,
+                                        args=types.SimpleNamespace(seed=SEED, group_size=G))
+            ids, got_prompts, got_metadata = vgrpo.local_samples(run, it)
+            slots = range(rank * P // W, (rank + 1) * P // W)
+            assert ids == [(j, m) for j in slots for m in range(G)]
+            assert got_prompts == [prompts[order[j % 5]] for j in slots for _ in range(G)]
+            assert got_metadata == [metadata[order[j % 5]] for j in slots for _ in range(G)]
+    assert orders[0] != orders[1]
 
 
 @pytest.mark.parametrize("case", ITERATION_CASES)

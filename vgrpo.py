@@ -1,6 +1,8 @@
 """V-GRPO: online RL for flow-matching text-to-image models, with the model's own denoising loss as the
 likelihood surrogate inside GRPO (Tang et al., arXiv 2604.23380). One file: sampler, ELBO surrogate,
-group-normalised advantages, clipped-ratio update and a torchrun training loop.
+group-normalised advantages, clipped-ratio update and a torchrun training loop. It reads in run order: the
+arguments, the method, one iteration (train_iteration), the training loop (main); below one marked line, what
+supports them (validation, model loading, tiny models, distributed helpers, checkpoints, logging).
 
 Launch (each line runs as written; --model sd3 / flux default to the paper's recipe for that model, docs/method.md):
     torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore     # the SD3.5-M recipe with PickScore

@@ -13,13 +13,11 @@ stands in for a GPU. bench/mutation.py measures how many injected bugs these tes
 import base64
 import copy
 import dataclasses
-import http.server
 import io
 import json
 import math
 import os
 import signal
-import threading
 import time
 import types
 
@@ -31,6 +29,7 @@ import torch
 
 import reward
 import vgrpo
+from test_rewards import _serve
 
 CPU = torch.device("cpu")
 # AdamW's eps in these tests: near the gradients' size, so a step depends on the gradient's scale (with the
@@ -827,30 +826,9 @@ def test_checkpoint_restores_weights_optimizer_and_the_fp16_loss_scale(sd3, out_
     assert all(torch.equal(state[i][k], saved["adam"]["state"][i][k]) for i in state for k in state[i])
 
 
-def _reward_server(seen):
-    """A reward server on 127.0.0.1 that records each request and answers each image's mean brightness."""
-    from PIL import Image
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(body)
-            means = [np.asarray(Image.open(io.BytesIO(base64.b64decode(b)))).mean() / 255 for b in body["images"]]
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(json.dumps({"rewards": means}).encode())
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}/score"
-
-
 def test_http_reward_sends_prompts_metadata_and_images_in_order():
     seen = []
-    server, url = _reward_server(seen)
+    server, url = _serve("ok", seen)
     try:
         images = torch.rand(3, 3, 16, 16, generator=torch.Generator().manual_seed(4))
         prompts = ["a cat", "a dog", "a quoted \"sign\""]

@@ -544,8 +544,8 @@ def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None
                 s_old, x0_old = s_new.detach(), x0_new.detach()
             else:
                 s_old, x0_old = batch["s_old"][idx], batch["x0_old"][idx] if args.beta > 0 else None
-            loss, st = vgrpo_loss(s_new, s_old, batch["A"][idx], args.clip_eps, args.beta,
-                                  x0_new if args.beta > 0 else None, x0_old if args.beta > 0 else None)
+            x0_pair = (x0_new, x0_old) if args.beta > 0 else (None, None)  # the KL term only where it is weighted
+            loss, st = vgrpo_loss(s_new, s_old, batch["A"][idx], args.clip_eps, args.beta, *x0_pair)
             part = loss * len(idx) / minibatch_size
             (scaler.scale(part) if scaler else part).backward()
         finite_loss &= torch.isfinite(st["policy_loss"])

@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import json
 import random
+import re
 import sys
 import types
 
@@ -170,7 +171,7 @@ def test_http_reward_failures_name_the_server(mode):
     try:
         fn = reward.http_reward(url, timeout=0.3, retries=2, backoff=0.1)
         t0 = time.time()
-        with pytest.raises(reward.RewardError, match=url.replace("/", "/")) as e:
+        with pytest.raises(reward.RewardError, match=re.escape(url)) as e:
             fn(_smooth_or_noise_images(), ["a"] * 4)
         if mode == "garbage":
             assert "answered something" in str(e.value) and len(seen) == 1

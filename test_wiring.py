@@ -87,8 +87,8 @@ def new_run(family, args, reward_fn=None, prompts=None, metadata=None, scaler=No
 
 def old_values_then_update(run, batch):
     """The old surrogate with the sampling weights, then update(): -> update's stats."""
-    batch["s_old"], batch["x0_old"] = vgrpo.old_surrogate(run.family, run.family.transformer, batch, run.args,
-                                                          run.n_prompts)
+    batch["s_old"], batch["x0_old"] = call_old_surrogate(run.family, run.family.transformer, batch, run.args,
+                                                         run.n_prompts)
     return vgrpo.update(run.family, run.model, run.optimizer, run.params, batch, run.args, run.n_prompts, run.scaler)
 
 
@@ -161,11 +161,11 @@ def torch_surrogate(model, o, sig, eps, emb, pooled, weighting):
     return -loss.mean(1), x - s * v
 
 
-def reference_update(model, batch, args, n_prompts, moments=None):
+def reference_update(model, batch, args, n_prompts):
     """What update() must do, written out: for inner step k the minibatch holds members [kG/K, (k+1)G/K) of every
     group; loss = -mean min(ratio A, clip(ratio) A) + beta mean (x0 - x0_old)^2 over the whole minibatch; the
-    gradient-norm clip; one AdamW step (hand-written). model: a copy at the sampling weights, trained in place;
-    moments: a dict that receives AdamW's first moment per parameter name. -> per-step stats."""
+    gradient-norm clip; one AdamW step (hand-written). model: a copy at the sampling weights, trained in place.
+    -> per-step stats."""
     beta, clip_eps = args.beta, args.clip_eps
     G, K = args.group_size, args.inner_steps
     emb, pooled = batch["cond"]
@@ -196,8 +196,6 @@ def reference_update(model, batch, args, n_prompts, moments=None):
         stats.append(dict(policy_loss=policy.item(), kl=kl.item(), grad_norm=norm, ratio_mean=ratio.mean().item(),
                           clip_frac=((ratio - 1).abs() > clip_eps).float().mean().item(),
                           ratio_min=ratio.min().item(), ratio_max=ratio.max().item()))
-    if moments is not None:
-        moments.update((name, m_) for (name, _), m_ in zip(model.named_parameters(), m))
     return stats
 
 
@@ -309,7 +307,7 @@ def test_micro_batches_take_each_inner_steps_members_of_every_group():
     assert {idx.device.type for _, idx in vgrpo.micro_batches(2, 4, 2, 2, device="meta")} == {"meta"}
 
 
-def test_take_repeats_each_row_for_its_pairs():
+def test_rows_of_repeats_each_row_for_its_pairs():
     a, b = torch.arange(5.0)[:, None] * torch.ones(5, 2), torch.arange(10, 15)
     got = vgrpo.rows_of((a, b), torch.tensor([3, 1]), 2)
     assert torch.equal(got[0], torch.tensor([[3.0, 3], [3, 3], [1, 1], [1, 1]]))
@@ -641,7 +639,7 @@ def test_each_rank_takes_its_own_slots_of_the_iterations_keyed_prompt_order():
 
 
 @pytest.mark.parametrize("case", ITERATION_CASES)
-def test_train_iteration_lines_up_samples_rewards_advantages_pairs_and_conditioning(sd3, out_dir, case):
+def test_train_iteration_lines_up_samples_rewards_advantages_pairs_and_conditioning(sd3, out_dir, case, monkeypatch):
     """One iteration against a reference built here from its parts: the rollout from each sample's keyed noise
     and prompt (the transformer called directly, the sampler from its formulas), the reward of those images, the
     advantages from the formula, the pairs drawn for each sample's (prompt, member), and the update written out."""
@@ -654,6 +652,8 @@ def test_train_iteration_lines_up_samples_rewards_advantages_pairs_and_condition
     metadata_all = [{"prompt": p, "bonus": 0.01 * i} for i, p in enumerate(prompts_all)]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if "scaler" in case else None   # exact in float32
     run = new_run(sd3, args, reward_fn=reward_fn, prompts=prompts_all, metadata=metadata_all, scaler=scaler)
+    rollouts, decode = [], vgrpo.decode  # the rollout's latents o, as the update received them
+    monkeypatch.setattr(vgrpo, "decode", lambda family, o, size: rollouts.append(o) or decode(family, o, size))
     reference = copy.deepcopy(sd3.transformer)
     start = weights(reference)
     t0 = time.perf_counter()
@@ -686,6 +686,7 @@ def test_train_iteration_lines_up_samples_rewards_advantages_pairs_and_condition
 
     o = reference_sample(velocity, noise, run.sigmas, args.sampler)
     assert (images - sd3.decode(o)).abs().max() < 1e-4
+    assert len(rollouts) == 1 and (rollouts[0] - o).abs().max() < 1e-5
     # rewards and advantages
     parts = {name: fns[name](images, prompts, metadata=[metadata_all[prompts_all.index(p)] for p in prompts])
              if name == "redness" else fns[name](images, prompts) for name in reward_weights}
@@ -712,27 +713,13 @@ def test_train_iteration_lines_up_samples_rewards_advantages_pairs_and_condition
     # the update, on the pairs of each sample's (global prompt, member) and the sample's own conditioning
     sig, eps = vgrpo.draw_pairs(run.sigmas, args.n_mc, sd3.latent_shape, ids, args.pair_sharing, args.stratified,
                                 SEED, IT)
-    # the run's own advantages (equal to the formula's within rounding, checked above): float32 rounding of the
-    # group std would otherwise reach the gradients at 1e-4 relative
-    batch = dict(o=o, cond=(emb, pooled), sigmas=sig, eps=eps, A=A)
-    moments = {}
-    steps = reference_update(reference, batch, args, P, moments)
+    # the rollout's own o and advantages, each equal to the reference's within float rounding (checked above):
+    # AdamW (eps 1e-4) would turn those rounding differences of the gradients into steps of ~1e-5
+    batch = dict(o=rollouts[0], cond=(emb, pooled), sigmas=sig, eps=eps, A=A)
+    steps = reference_update(reference, batch, args, P)
     if args.inner_steps > 1:
         assert 0 < steps[1]["clip_frac"] < 1 and steps[1]["kl"] > 0, steps
-    # The reference's o differs from the rollout's by float rounding (~1e-6), so the gradients differ by rounding too.
-    # AdamW divides each gradient by its own size: where a gradient is at rounding level (~1e-10) its step is any
-    # value up to lr, on either side. So: the gradients AdamW saw (its first moments) agree, and the weights agree
-    # wherever the gradient is not rounding noise; everywhere, no step is larger than AdamW's bound.
-    state = {name: run.optimizer.state[p]["exp_avg"] for name, p in sd3.transformer.named_parameters()
-             if p in run.optimizer.state}
-    assert state.keys() == moments.keys()
-    got_m, want_m = (torch.cat([ms[name].flatten() for name in moments]) for ms in (state, moments))
-    torch.testing.assert_close(got_m, want_m, rtol=1e-3, atol=1e-4 * want_m.abs().max().item())
-    delta, want_delta = weights(sd3.transformer) - start, weights(reference) - start
-    not_noise = want_m.abs() > 1e-6 * want_m.abs().max()
-    assert not_noise.float().mean() > 0.9
-    torch.testing.assert_close(delta[not_noise], want_delta[not_noise], rtol=0, atol=1e-5)
-    assert (delta - want_delta).abs().max() <= 2 * args.lr * args.inner_steps
+    torch.testing.assert_close(weights(sd3.transformer) - start, weights(reference) - start, rtol=0, atol=1e-6)
     assert stats["kl"] == pytest.approx(sum(s["kl"] for s in steps) / len(steps), rel=1e-3, abs=1e-12)
     assert stats["skipped_steps"] == 0
 

@@ -504,7 +504,7 @@ class Bench:
         self.family = vgrpo.SD3Family(quiet_pipeline(copy.deepcopy(pristine)), 32, 8, CPU)
         self.model = self.family.transformer.requires_grad_(True)
         self.params = list(self.model.parameters())
-        self.optimizer = torch.optim.AdamW(self.params, lr=2e-3)
+        self.optimizer = torch.optim.AdamW(self.params, lr=2e-3, weight_decay=0.0)  # vgrpo's tiny defaults
         self.args = demo_args(micro_batch)
         self.args.group_size, self.args.n_mc = group_size, n_mc
         self.P, self.sigmas = prompts, self.family.sigma_grid(steps)

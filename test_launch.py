@@ -77,12 +77,15 @@ def test_every_launch_line_validates_for_its_world_size(where, line, tmp_path, m
     for flag, value in zip(argv, argv[1:]):
         if flag in ("--prompts", "--eval-prompts") and not (tmp_path / value).exists():
             (tmp_path / value).write_text("a prompt\nanother prompt\n")
-    if tokens[0] == "torchrun":
-        monkeypatch.setenv("RANK", "0")   # as torchrun sets it
+    world = world_size(tokens[:script])
+    if tokens[0] == "torchrun":   # as torchrun sets them for each process
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", str(world))
     else:
         monkeypatch.delenv("RANK", raising=False)
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = vgrpo.parse_args(argv)
-    vgrpo.validate(args, world_size(tokens[:script]))
+    vgrpo.validate(args, world)
     assert args.micro_batch >= 1
 
 

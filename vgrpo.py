@@ -144,7 +144,7 @@ class Args:
     device: str = arg("auto", "auto, cpu, cuda")
 
     def __post_init__(self):
-        resolve_defaults(self)
+        resolve_defaults(self, int(os.environ.get("WORLD_SIZE", 1)))  # torchrun tells each process the world size
 
 
 # Every model's defaults in one place. Real models: the paper's settings (docs/method.md gives the source of each
@@ -181,8 +181,9 @@ def is_tiny(model):
     return model in ("tiny", "tiny-flux")
 
 
-def resolve_defaults(args):
-    """Fill every flag left at None from the model's recipe; the learning rate follows LoRA / full fine-tuning."""
+def resolve_defaults(args, world_size):
+    """Every default in one place: each flag left at None from the model's recipe; the learning rate follows LoRA /
+    full fine-tuning; the micro-batch divides the per-process minibatch; --resume auto names the newest checkpoint."""
     recipe = RECIPES[args.model if is_tiny(args.model) else model_kind(args.model)]
     for name, value in recipe.items():
         if getattr(args, name) is None:
@@ -191,6 +192,11 @@ def resolve_defaults(args):
         args.prompts = os.path.relpath(TRAIN_PROMPTS)
     if args.lr is None:
         args.lr = 2e-3 if is_tiny(args.model) else 1e-5 if args.full_finetune else 3e-4
+    if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
+        local_minibatch = args.prompts_per_step // world_size * args.group_size // max(args.inner_steps, 1)
+        args.micro_batch = math.gcd(local_minibatch, 16 if is_tiny(args.model) else 4)
+    if args.resume == "auto":
+        args.resume = latest_checkpoint(args.output_dir) or ""  # nothing saved yet: start from scratch
     return args
 
 
@@ -665,7 +671,7 @@ def command_line(args):
         value, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
-        elif f.name != "preset" and value is not None:  # None: resolved later (micro-batch before validate)
+        elif f.name != "preset" and value is not None:
             out.append(f"{flag} {shlex.quote(value) if isinstance(value, str) else value}")
     return " ".join(out)
 
@@ -721,8 +727,8 @@ DEFAULT_PROMPTS = [  # the tiny CPU demo's prompts; a real model trains on promp
 
 
 def validate(args, world_size):
-    """Every check that needs no model, so a wrong flag fails in a second with one line. Also resolves
-    the default micro-batch, which depends on the per-process minibatch, and --resume auto."""
+    """Every check that needs no model, so a wrong flag fails in a second with one line, for `world_size`
+    processes (the defaults were resolved for torchrun's WORLD_SIZE when Args was made)."""
     if not is_tiny(args.model) and args.model not in MODEL_IDS and not os.path.isdir(args.model) \
             and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.model):
         raise UsageError(f"unknown model '{args.model}': use tiny, tiny-flux, {', '.join(MODEL_IDS)}, "
@@ -760,8 +766,6 @@ def check_sizes(args, world_size):
     if args.group_size % args.inner_steps:
         raise UsageError(f"--inner-steps {args.inner_steps} must divide --group-size {args.group_size}")
     local_minibatch = args.prompts_per_step // world_size * args.group_size // args.inner_steps
-    if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
-        args.micro_batch = math.gcd(local_minibatch, 16 if is_tiny(args.model) else 4)
     if args.fsdp and ("RANK" not in os.environ or args.mixed_precision == "fp16"):
         raise UsageError("--fsdp shards over torchrun's processes (launch with torchrun) and computes in bf16 or "
                          "float32 (fp16's loss scaler is not sharded)")
@@ -788,8 +792,6 @@ def check_paths(args):
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as e:
         raise UsageError(f"--output-dir {args.output_dir} is not writable ({e.strerror or e})") from None
-    if args.resume == "auto":
-        args.resume = latest_checkpoint(args.output_dir) or ""  # nothing saved yet: start from scratch
     if args.resume:
         check_resume_matches(args)
 

@@ -156,3 +156,15 @@ def test_lora_inputs_are_not_cast_to_float32_under_autocast_and_nothing_else_cha
     assert casts_on - casts_off >= len(layers)
     assert torch.equal(v_off, v_on)
     assert all(torch.equal(a, b) for a, b in zip(grads_off, grads_on))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-flux"])
+def test_under_fsdp_no_device_ever_holds_the_whole_transformer_before_it_is_sharded(model):
+    """--fsdp: the transformer is loaded onto the CPU and fully_shard moves it block by block as shards (12B FLUX in
+    float32 is 48 GB); everything else goes to the device at once. ('meta' stands for the GPU here.)"""
+    family = vgrpo.load_family(vgrpo.Args(model=model, fsdp=True), torch.device("meta"))
+    assert {p.device.type for p in family.transformer.parameters()} == {"cpu"}
+    assert {p.device.type for p in family.pipe.vae.parameters()} == {"meta"}
+    assert {p.device.type for enc in family.text_encoders() for p in enc.parameters()} == {"meta"}
+    unsharded = vgrpo.load_family(vgrpo.Args(model=model), torch.device("meta"))
+    assert {p.device.type for p in unsharded.transformer.parameters()} == {"meta"}

@@ -126,7 +126,8 @@ def test_the_sharded_checkpoint_loads_into_diffusers_and_reproduces_the_trained_
 
 
 def test_fsdp_lora_with_checkpointing_and_accumulation_trains_like_ddp(tmp_path):
-    flags = ["--iterations", "1", "--no-full-finetune", "--lr", "1e-3", "--gradient-checkpointing", "--inner-steps", "2"]
+    flags = ["--iterations", "1", "--no-full-finetune", "--lr", "1e-3", "--gradient-checkpointing", "--inner-steps", "2",
+             "--micro-batch", "1"]   # each rank: 2 samples per optimizer step, in 2 accumulated micro-batches
     torchrun(*flags, "--fsdp", "--output-dir", tmp_path / "fsdp")
     torchrun(*flags, "--output-dir", tmp_path / "ddp")
     sharded, replicated = lora_weights(tmp_path / "fsdp", 1), lora_weights(tmp_path / "ddp", 1)
@@ -137,9 +138,30 @@ def test_fsdp_lora_with_checkpointing_and_accumulation_trains_like_ddp(tmp_path)
     assert f["grad_norm"] == pytest.approx(d["grad_norm"], rel=1e-5) and f["skipped_steps"] == 0
 
 
+# One sharded process: which dtypes a transformer layer sees in the forward pass, and which it keeps and reduces in.
+DTYPES_UNDER_FSDP = """
+import json, sys, torch, torch.distributed as dist
+import vgrpo
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
+args, device = vgrpo.Args(fsdp=True, mixed_precision="bf16", n_mc=2), torch.device("cpu")
+family = vgrpo.load_family(args, device)
+vgrpo.add_trainable_weights(family, args)
+model = vgrpo.wrap_for_training(family, args, 1, device)
+layer, seen = family.transformer.transformer_blocks[0].attn.to_q, {}
+layer.register_forward_pre_hook(lambda module, inputs: seen.update(compute=str(module.weight.dtype)))
+sigmas, eps = vgrpo.draw_pairs(family.sigma_grid(4), 2, family.latent_shape, [(0, 0), (0, 1)], "batch", True, 0, 0)
+s, _ = vgrpo.surrogate(family, model, torch.randn(2, *family.latent_shape), sigmas, eps.contiguous(),
+                       family.encode(["a cat", "a dog"]), "adaptive")
+s.sum().backward()
+print(json.dumps(dict(seen, master=str(layer.weight.dtype), gradient=str(layer.weight.grad.dtype), surrogate=str(s.dtype))))
+"""
+
+
 def test_fsdp_in_bf16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path):
     """bf16 rounds differently under FSDP's cast of every parameter than under autocast, and the tiny JPEG reward
-    amplifies that into other samples, so this run is checked on its own: it trains, and what it saves is float32."""
+    amplifies that into other samples, so this run is checked on its own: it trains, and what it saves is float32.
+    Then, in one sharded process, a layer's weights are bf16 in the forward pass and float32 outside it, its
+    gradient float32, and the surrogate float32."""
     torchrun("--iterations", "1", "--no-full-finetune", "--lr", "1e-3", "--mixed-precision", "bf16", "--fsdp",
              "--output-dir", tmp_path)
     saved = lora_weights(tmp_path, 1)
@@ -147,3 +169,24 @@ def test_fsdp_in_bf16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in saved.items())
     m = metrics(tmp_path)[0]
     assert m["skipped_steps"] == 0 and m["grad_norm"] > 0
+    p = subprocess.run([sys.executable, "-c", DTYPES_UNDER_FSDP, str(tmp_path / "group")], env=ENV, cwd=HERE,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.splitlines()[-1]) == {"compute": "torch.bfloat16", "master": "torch.float32",
+                                                     "gradient": "torch.float32", "surrogate": "torch.float32"}
+
+
+def test_fsdp_shards_flux_like_ddp_and_saves_a_transformer_diffusers_loads(tmp_path):
+    """FLUX's double- and single-stream blocks sharded: full fine-tuning equals DDP's within rounding, and the
+    saved transformer/ loads with FluxTransformer2DModel.from_pretrained."""
+    from diffusers import FluxTransformer2DModel
+
+    fsdp, ddp = str(tmp_path / "fsdp"), str(tmp_path / "ddp")
+    torchrun("--model", "tiny-flux", "--fsdp", "--iterations", "1", "--output-dir", fsdp)
+    torchrun("--model", "tiny-flux", "--iterations", "1", "--output-dir", ddp)
+    start = vgrpo.build_tiny_flux_pipeline().transformer.state_dict()
+    sharded, replicated = transformer_weights(fsdp, 1), transformer_weights(ddp, 1)
+    moved = distance(replicated, start)
+    assert moved > 0.1 and distance(sharded, replicated) < 1e-4 * moved
+    loaded = FluxTransformer2DModel.from_pretrained(os.path.join(fsdp, "checkpoint-1", "transformer")).state_dict()
+    assert loaded.keys() == sharded.keys() and all(torch.equal(loaded[k], sharded[k]) for k in sharded)

@@ -764,9 +764,13 @@ def test_nan_reward_skips_the_update_on_that_iteration(tmp_path, faulty):
     assert all(torch.isfinite(v).all() for v in w[4].values())
 
 
+SHARDINGS = pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+
+
 @pytest.mark.slow
-def test_nan_reward_on_one_rank_skips_the_update_on_every_rank(tmp_path, faulty):
-    p = run_script(*FAST, "--reward", f"{faulty}:nan_on_rank_1_at_call_2", "--save-every", "1",
+@SHARDINGS
+def test_nan_reward_on_one_rank_skips_the_update_on_every_rank(tmp_path, faulty, sharding):
+    p = run_script(*FAST, *sharding, "--reward", f"{faulty}:nan_on_rank_1_at_call_2", "--save-every", "1",
                    "--output-dir", tmp_path, nproc=2)
     assert p.returncode == 0, p.stderr[-3000:]            # no rank waited alone in a collective
     assert "rank 1, iteration 2: non-finite values" in p.stderr and "rank 0, iteration 2" not in p.stderr
@@ -865,13 +869,14 @@ def test_sigterm_saves_a_checkpoint_and_resume_auto_continues(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_worker_stops_every_rank_at_a_checkpoint(tmp_path, faulty):
+@SHARDINGS
+def test_sigterm_to_one_worker_stops_every_rank_at_a_checkpoint(tmp_path, faulty, sharding):
     """Preemption may signal one process only (a node's agent, a user's kill): every rank must stop after the same
     iteration, rank 0 must save, torchrun must exit 0, and --resume auto must continue on 2 processes."""
     import signal
     out_dir = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, "vgrpo.py"), *FAST, "--iterations", "100", "--save-every", "1000",
+           os.path.join(HERE, "vgrpo.py"), *FAST, *sharding, "--iterations", "100", "--save-every", "1000",
            "--reward", f"{faulty}:brightness_noting_pid", "--output-dir", str(out_dir)]
     proc = subprocess.Popen(cmd, env=ENV, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -889,17 +894,18 @@ def test_sigterm_to_one_worker_stops_every_rank_at_a_checkpoint(tmp_path, faulty
     done = len(metrics(out_dir))
     assert 1 <= done < 100 and f"stopped after iteration {done}" in out
     assert vgrpo.latest_checkpoint(str(out_dir)) == str(out_dir / f"checkpoint-{done}")
-    p = run_script(*FAST, "--iterations", done + 1, "--reward", f"{faulty}:brightness_noting_pid", "--resume", "auto",
-                   "--output-dir", out_dir, nproc=2)
+    p = run_script(*FAST, *sharding, "--iterations", done + 1, "--reward", f"{faulty}:brightness_noting_pid",
+                   "--resume", "auto", "--output-dir", out_dir, nproc=2)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resumed from {out_dir / f'checkpoint-{done}'}" in p.stdout
     assert [x["iteration"] for x in metrics(out_dir)] == list(range(1, done + 2))
 
 
 @pytest.mark.slow
-def test_one_failing_rank_stops_every_rank_quickly(tmp_path, faulty):
+@SHARDINGS
+def test_one_failing_rank_stops_every_rank_quickly(tmp_path, faulty, sharding):
     import time
-    p = run_script(*FAST, "--reward", f"{faulty}:raise_on_rank_1", "--dist-timeout", "60", "--output-dir", tmp_path,
+    p = run_script(*FAST, *sharding, "--reward", f"{faulty}:raise_on_rank_1", "--dist-timeout", "60", "--output-dir", tmp_path,
                    nproc=2, timeout=300)
     stopped = time.time()
     assert p.returncode != 0

@@ -1107,8 +1107,10 @@ def load_family(args, device):
     weights_dtype = torch.float32 if args.full_finetune or amp is None else amp
     if pipe.transformer.dtype != weights_dtype:
         pipe.transformer.to(weights_dtype)
-    for part in (pipe.transformer, pipe.vae):
-        part.to(device).requires_grad_(False)
+    # under --fsdp the transformer stays on the CPU until fully_shard moves it to the GPU block by block, each block
+    # as its shard: no GPU ever holds the whole model (FLUX.1-dev in float32 for full fine-tuning: 48 GB)
+    pipe.transformer.requires_grad_(False).to("cpu" if args.fsdp else device)
+    pipe.vae.requires_grad_(False).to(device)
     offload = args.offload_text_encoders and device.type == "cuda"
     for name in TEXT_ENCODERS:
         if getattr(pipe, name, None) is not None:

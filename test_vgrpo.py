@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -954,8 +955,10 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
         (["--reward", "jpeg:1,jpeg:2"], "a reward is named twice"),
         (["--reward", f"{tmp_path / 'rw.py'}:mean"], "its metric name clashes"),
     ]
-    for flags, message in cases:
-        p = run_script("--output-dir", tmp_path / "out", "--iterations", "1", *flags, timeout=300)  # flags win
+    with ThreadPoolExecutor(2) as pool:   # each case is one process, mostly a single-threaded start-up: two at a time
+        results = list(pool.map(lambda flags: run_script("--output-dir", tmp_path / "out", "--iterations", "1", *flags,
+                                                         timeout=300), [flags for flags, _ in cases]))  # flags win
+    for (flags, message), p in zip(cases, results):
         assert p.returncode == 2, (flags, p.stderr[-2000:])
         assert p.stderr.strip().startswith("vgrpo: error: ") and message in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -1,4 +1,4 @@
-"""Cost against its limit (issue 5 item 3) and issue 10's measures, before and after: where a V-GRPO iteration's
+"""Cost against its limit (item 3 of the benchmark) and the GPU-path changes' measures, before and after: where a V-GRPO iteration's
 time goes, and how close it is to the cheapest thing that could do its job.
 
     python bench/cost.py --out /tmp/cost.md          # ten minutes on an idle 2-core machine
@@ -26,7 +26,7 @@ with their interquartile range as the spread.
   peft       LoRA on a bf16 base (the real models' setting): per sampling forward, the operations and time that
              peft's casting of each adapter's input to the adapters' float32 costs, against casting disabled,
              adapters cast to bf16 for sampling, and the LoRA branch off (what merged weights would cost)
-  update     vgrpo.update / a plain flow-matching step, and / a bare forward+backward (issue 5)
+  update     vgrpo.update / a plain flow-matching step, and / a bare forward+backward (item 3)
   rollout    vgrpo.rollout (Euler, DPM-Solver++) / the pipeline in one batch; Euler's latents must agree exactly
   memory     peak bytes of live tensors (torch.profiler) and peak RSS growth of a fresh process, V-GRPO step
              against a flow-matching step on the same rows
@@ -56,7 +56,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 import vgrpo  # noqa: E402
 
-BEFORE = "f2eafba"  # the last commit before issue 10's changes to vgrpo.py
+BEFORE = "f2eafba"  # the last commit before the GPU-path changes to vgrpo.py
 CPU = torch.device("cpu")
 
 
@@ -468,7 +468,7 @@ def training_gradients_identical(family, params, noise, sigma, cond):
     return all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-# --------------------------------------------------------------------------- issue 5: update, rollout, memory
+# --------------------------------------------------------------------------- item 3: update, rollout, memory
 
 
 def flow_matching_step(model, params, optimizer, o, sigmas, eps, cond, args, n_prompts, optimizer_step=True):
@@ -639,7 +639,7 @@ def memory(bench, rss):
 QUICK_SHAPE = dict(prompts_per_step=1, group_size=2, sample_steps=2, n_mc=2, micro_batch=2, sample_batch=2)
 
 
-def issue10(pristine, quick, rounds, directory):
+def before_after(pristine, quick, rounds, directory):
     """Before and after against the floor, interleaved; operations per sampling forward; host syncs; peft."""
     shape = QUICK_SHAPE if quick else {}
     before, why = load_before()
@@ -669,7 +669,7 @@ def measure(quick=False, rss=True, rounds=None):
     repeats = 1 if quick else 5
     pristine = quiet_pipeline(vgrpo.build_tiny_sd3_pipeline(0))
     with tempfile.TemporaryDirectory() as d:
-        res = issue10(pristine, quick, rounds or (1 if quick else 25), d)
+        res = before_after(pristine, quick, rounds or (1 if quick else 25), d)
     bench = Bench(pristine, prompts=1, group_size=2, steps=2, n_mc=2, micro_batch=2) if quick else Bench(pristine)
     res["update"] = median_ratio(bench.vgrpo_step, bench.flow_matching_step, repeats)
     res["update_bare"] = median_ratio(bench.vgrpo_step, lambda: bench.flow_matching_step(False), repeats)
@@ -685,7 +685,7 @@ def cell(ratio):
     return f"{ratio[0]:.3f}x [{ratio[1]:.3f}-{ratio[2]:.3f}]"
 
 
-def issue10_lines(res):
+def before_after_lines(res):
     it, sh = res["iteration"], res["iteration_shape"]
     sec, r, names = it["seconds"], it["ratio"], [n for n in ("before", "after") if n in it["seconds"]]
     lines = [f"Issue 10: vgrpo.py before ({res['before']}) and after, tiny SD3 at vgrpo's tiny defaults ({sh['P']} "
@@ -742,7 +742,7 @@ def peft_lines(p):
     return lines
 
 
-def issue5_lines(res):
+def against_floor_lines(res):
     sh = res["shape"]
     lines = [f"Issue 5: tiny random SD3, {sh['P']} prompts x {sh['G']} images, {sh['S']} steps, N_MC = {sh['n_mc']}, "
              f"micro-batches of {sh['micro_batch']} samples, CPU seconds, medians of {sh['repeats']} interleaved runs.",
@@ -770,7 +770,7 @@ def issue5_lines(res):
 
 
 def report(res):
-    lines = issue10_lines(res) + [""] + peft_lines(res["peft"]) + [""] + issue5_lines(res)
+    lines = before_after_lines(res) + [""] + peft_lines(res["peft"]) + [""] + against_floor_lines(res)
     lines += ["", "Seconds are CPU seconds of the one process (one torch thread), from different moments of a run on "
               "a machine shared with other work: compare seconds within one row (the contenders ran alternately) "
               "rather than across rows or tables."]

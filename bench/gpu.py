@@ -1,4 +1,4 @@
-"""GPU benchmark, issue 10 item 6: V-GRPO's phases on SD3.5-Medium- and FLUX.1-dev-shaped transformers.
+"""GPU benchmark: V-GRPO's phases on SD3.5-Medium- and FLUX.1-dev-shaped transformers.
 
     python bench/gpu.py                                    # one GPU, a few minutes -> bench/results/gpu.md, gpu.json
     python bench/gpu.py --time-limit 240 --models flux     # stop measuring after 240 s, write what was measured

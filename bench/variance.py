@@ -1,4 +1,4 @@
-"""Surrogate variance, issue 5 item 1: how much each variance reduction of V-GRPO removes.
+"""Surrogate variance (item 1 of the benchmark): how much each variance reduction of V-GRPO removes.
 
 On the same rollouts of the tiny model, the ELBO surrogate s(o) is recomputed under R independent pair
 draws for five settings: naive (independent uniform pairs, plain MSE, FPO-style), then each reduction

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 import vgrpo
 from test_rewards import _serve   # the local reward server, for the run that trains against one
+from test_wiring import gaussian_velocity, numpy_surrogate   # reference formulas shared with the wiring tests
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -79,6 +80,9 @@ def test_all_equal_rewards_give_exactly_zero_advantages():
     assert torch.equal(A[:16], torch.zeros(16))
     assert torch.isfinite(A).all() and A[16] < 0 < A[23]
     assert torch.equal(vgrpo.group_advantages(eights, 4, soft_clip=3.0), torch.zeros(8))
+    two = torch.cat([eights, torch.arange(8.0)])          # per reward: each reward's equal group stays exactly 0
+    A = vgrpo.per_reward_advantages({"a": two, "b": -2 * two}, {"a": 1.0, "b": 0.5}, 8, soft_clip=3.0)
+    assert torch.equal(A[:8], torch.zeros(8)) and (A[8:] != 0).all()
 
 
 def test_group_size_one_is_refused():
@@ -142,22 +146,14 @@ def test_pairs_are_shared_as_requested(sharing):
 # --------------------------------------------------------------------------- ELBO surrogate and loss
 
 
-def _surrogate_numpy(v, o, sig, eps, weighting):
-    s = sig[:, :, None, None, None]
-    x = (1 - s) * o[:, None] + s * eps
-    err = x - s * v - o[:, None]
-    mse = (err ** 2).mean(axis=(2, 3, 4))
-    l = mse / np.abs(err).mean(axis=(2, 3, 4)) if weighting == "adaptive" else mse
-    return -l.mean(axis=1), err
-
-
 @pytest.mark.parametrize("weighting", ["adaptive", "none"])
 def test_elbo_surrogate_matches_formula(weighting):
     rng = np.random.default_rng(0)
     B, N, lat = 3, 4, (2, 4, 4)
     v, eps = rng.normal(size=(B, N, *lat)), rng.normal(size=(B, N, *lat))
     o, sig = rng.normal(size=(B, *lat)), rng.uniform(0.05, 1.0, size=(B, N))
-    s_want, err = _surrogate_numpy(v, o, sig, eps, weighting)
+    s_want, x0_want = numpy_surrogate(v, o, sig, eps, weighting)
+    err = x0_want - o[:, None]
     v_t = torch.tensor(v, dtype=torch.float32, requires_grad=True)
     s, x0 = vgrpo.elbo_surrogate(v_t, *(torch.tensor(a, dtype=torch.float32) for a in (o, sig, eps)), weighting=weighting)
     np.testing.assert_allclose(s.detach().numpy(), s_want, rtol=1e-5)
@@ -199,22 +195,13 @@ def test_zero_gradient_where_the_clip_binds(log_ratio, A, binds):
 # --------------------------------------------------------------------------- sampler
 
 
-def _gaussian_velocity(a):
-    # data o ~ N(0, a^2): E[o | x_s] = (1-s) a^2 x / ((1-s)^2 a^2 + s^2) and v = (x - E[o | x_s]) / s; the
-    # probability-flow ODE then maps noise z exactly to a z.
-    def velocity(x, s):
-        s = float(s)
-        return (x - (1 - s) * a**2 * x / ((1 - s) ** 2 * a**2 + s**2)) / s
-    return velocity
-
-
 @pytest.mark.parametrize("shift,steps", [(1.0, 10), (3.0, 16), (3.0, 40)])
 def test_ode_samplers_against_the_exact_gaussian_flow(shift, steps):
     from diffusers import FlowMatchEulerDiscreteScheduler
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
     scheduler.set_timesteps(steps)
     z = torch.randn(256, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    err = {name: (vgrpo.sample_ode(_gaussian_velocity(0.5), z, scheduler.sigmas.double(), name) - 0.5 * z).abs().max().item()
+    err = {name: (vgrpo.sample_ode(gaussian_velocity(0.5), z, scheduler.sigmas.double(), name) - 0.5 * z).abs().max().item()
            for name in vgrpo.SAMPLERS}
     assert err["dpmpp2m"] < err["euler"] / 2, err
 
@@ -225,7 +212,7 @@ def test_dpmpp2m_equals_diffusers_dpm_solver_on_its_grid(steps):
     scheduler = DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction",
                                             algorithm_type="dpmsolver++", solver_order=2, final_sigmas_type="zero")
     scheduler.set_timesteps(steps)
-    velocity = _gaussian_velocity(0.7)
+    velocity = gaussian_velocity(0.7)
     x = z = torch.randn(64, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for i, t in enumerate(scheduler.timesteps):
         x = scheduler.step(velocity(x, scheduler.sigmas[i]), t, x).prev_sample

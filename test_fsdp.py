@@ -126,8 +126,8 @@ def test_the_sharded_checkpoint_loads_into_diffusers_and_reproduces_the_trained_
 
 
 def test_fsdp_lora_with_checkpointing_and_accumulation_trains_like_ddp(tmp_path):
-    flags = ["--iterations", "1", "--no-full-finetune", "--lr", "1e-3", "--gradient-checkpointing", "--inner-steps", "2",
-             "--micro-batch", "1"]   # each rank: 2 samples per optimizer step, in 2 accumulated micro-batches
+    flags = ["--iterations", "1", "--no-full-finetune", "--lr", "1e-3", "--gradient-checkpointing",
+             "--inner-steps", "2", "--micro-batch", "1"]   # each rank: 2 samples per step, in 2 accumulated micro-batches
     torchrun(*flags, "--fsdp", "--output-dir", tmp_path / "fsdp")
     torchrun(*flags, "--output-dir", tmp_path / "ddp")
     sharded, replicated = lora_weights(tmp_path / "fsdp", 1), lora_weights(tmp_path / "ddp", 1)
@@ -153,7 +153,8 @@ sigmas, eps = vgrpo.draw_pairs(family.sigma_grid(4), 2, family.latent_shape, [(0
 s, _ = vgrpo.surrogate(family, model, torch.randn(2, *family.latent_shape), sigmas, eps.contiguous(),
                        family.encode(["a cat", "a dog"]), "adaptive")
 s.sum().backward()
-print(json.dumps(dict(seen, master=str(layer.weight.dtype), gradient=str(layer.weight.grad.dtype), surrogate=str(s.dtype))))
+seen.update(master=str(layer.weight.dtype), gradient=str(layer.weight.grad.dtype), surrogate=str(s.dtype))
+print(json.dumps(seen))
 """
 
 

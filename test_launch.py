@@ -211,13 +211,15 @@ def test_flux_dev_trains_with_a_clip_reward_on_2_processes_and_its_lora_loads_in
     assert len(lines) == 2 and all(m["grad_norm"] > 0 and m["skipped_steps"] == 0 for m in lines)
     assert all(-1 <= m["reward_mean"] <= 1 for m in lines)                   # a cosine
     code = (f"import torch; from diffusers import FluxPipeline as P; p = P.from_pretrained("
-            f"'black-forest-labs/FLUX.1-dev'); p.load_lora_weights('{out / 'checkpoint-2'}'); "
-            f"im = p('a cat', num_inference_steps=2, height=32, width=32, output_type='pt').images; "
-            f"print('LORA', len(p.transformer.peft_config), tuple(im.shape))")
+            f"'black-forest-labs/FLUX.1-dev'); g = lambda: p('a cat', num_inference_steps=2, height=32, width=32, "
+            f"output_type='pt', generator=torch.Generator().manual_seed(0)).images; "
+            f"a = g(); p.load_lora_weights('{out / 'checkpoint-2'}'); im = g(); "
+            f"print('LORA', len(p.transformer.peft_config), tuple(im.shape), float((a - im).abs().max()))")
     check = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HF_HUB_CACHE": str(hub_cache)},
                            capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-2000:]
     assert "LORA 1 (1, 3, 32, 32)" in check.stdout
+    assert float(check.stdout.split()[-1]) > 0                              # the trained LoRA changes the images
 
 
 @pytest.mark.slow

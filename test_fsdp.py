@@ -126,8 +126,9 @@ def test_the_sharded_checkpoint_loads_into_diffusers_and_reproduces_the_trained_
 
 
 def test_fsdp_lora_with_checkpointing_and_accumulation_trains_like_ddp(tmp_path):
+    # each rank: 2 samples per optimizer step, in 2 accumulated micro-batches
     flags = ["--iterations", "1", "--no-full-finetune", "--lr", "1e-3", "--gradient-checkpointing",
-             "--inner-steps", "2", "--micro-batch", "1"]   # each rank: 2 samples per step, in 2 accumulated micro-batches
+             "--inner-steps", "2", "--micro-batch", "1"]
     torchrun(*flags, "--fsdp", "--output-dir", tmp_path / "fsdp")
     torchrun(*flags, "--output-dir", tmp_path / "ddp")
     sharded, replicated = lora_weights(tmp_path / "fsdp", 1), lora_weights(tmp_path / "ddp", 1)

@@ -220,8 +220,10 @@ def test_headline_ratios_by_hand():
                                         "1,792 / 1,344; 896 / 448", "8 / 6; 4 / 2", "2.50 ± 0.50 (2.00 / 3.00)"]
     # MixGRPO at 0.02 (V-GRPO reaches it at 2 in both seeds): > 10 / 2 (a lower bound) and 4 / 2
     assert rows["MixGRPO"][2:4] == ["1/2; 2/2", "> 10 / 4; 2 / 2"]
-    assert rows["MixGRPO"][6] == "> 3.50 ± 1.50 (> 5.00 / 2.00)"
-    assert rows["MixGRPO"][9] == "> 3.50 ± 1.50 (> 5.00 / 2.00), x 1.00 per iteration"   # 1 s everywhere: = steps
+    # a lower bound enters no mean: the mean is over the one seed that reached the target
+    assert rows["MixGRPO"][6] == "2.00 ± 0.00 on the 1 of 2 seeds reached (> 5.00 / 2.00)"
+    assert rows["MixGRPO"][9] == "2.00 ± 0.00 on the 1 of 2 seeds reached (> 5.00 / 2.00), x 1.00 per iteration"
+    assert bench_run.ratio_cell([5.0, 3.0], [True, True]) == "> 3.00 (never reached: > 5.00 / > 3.00)"
 
 
 def test_run_quick_writes_every_result(tmp_path):

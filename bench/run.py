@@ -1,6 +1,6 @@
 """Every table and plot of the benchmark, from scratch.
 
-    python bench/run.py                          # everything: items 1-4 (~25 min) then the headline (~60 min)
+    python bench/run.py                          # everything: items 1-4 (~25 min) then the headline (~30 min)
     python bench/run.py --only headline --jobs 1 # the V-GRPO / DiffusionNFT / MixGRPO headline alone
     python bench/run.py --quick --out /tmp/b     # about a minute: toy sizes, checks that everything runs
     python bench/run.py --report-only            # rebuild the tables and plots from the raw JSON under --out
@@ -238,24 +238,21 @@ def plot(results, path):
 
 HEADLINE_KINDS = ("V-GRPO", "DiffusionNFT", "MixGRPO")
 HEADLINE_COLOURS = {"V-GRPO": "tab:blue", "DiffusionNFT": "tab:red", "MixGRPO": "tab:purple"}
-SWEEP_LRS = (2e-3, 6e-3)           # vgrpo's tiny default and 3x it, the same for every method
+SWEEP_LRS = (2e-3, 6e-3, 2e-2, 6e-2)  # vgrpo's tiny default and up by factors of ~3, the same for every method
 TARGET_GAIN_FRACTION = 0.75
 PAPER = {"DiffusionNFT": "3x (gradient steps, SD3.5-M)", "MixGRPO": "2x (iterations, FLUX.1-dev)"}
 
 
-def sweep_specs(lrs=SWEEP_LRS, windows=(4, 2)):
-    """Learning rate for each method; DiffusionNFT's beta (1 and 0.1) and MixGRPO's window (4 and 2) as well."""
+def sweep_specs(lrs=SWEEP_LRS, windows=(4, 2), betas=(1.0, 0.1)):
+    """Each learning rate for each method, crossed with DiffusionNFT's beta and MixGRPO's window (V-GRPO has
+    no such knob here: the baselines get twice its settings, which can only favour them)."""
     import learning
 
     out = []
     for lr in lrs:
         out.append(learning.spec("V-GRPO", lr, name=f"V-GRPO lr {lr:g}"))
-        out.append(learning.spec("DiffusionNFT", lr, name=f"DiffusionNFT lr {lr:g} beta 1", beta=1.0))
-        out.append(learning.spec("MixGRPO", lr, name=f"MixGRPO lr {lr:g} w {windows[0]}", window=windows[0]))
-    # the knobs at the higher rate only (the machine's budget): MixGRPO's other window; DiffusionNFT's beta 0.1,
-    # which only rescales an on-policy gradient (nft_baseline, choice 4), so one point is enough
-    out.append(learning.spec("MixGRPO", lrs[-1], name=f"MixGRPO lr {lrs[-1]:g} w {windows[1]}", window=windows[1]))
-    out.append(learning.spec("DiffusionNFT", lrs[-1], name=f"DiffusionNFT lr {lrs[-1]:g} beta 0.1", beta=0.1))
+        out += [learning.spec("DiffusionNFT", lr, name=f"DiffusionNFT lr {lr:g} beta {b:g}", beta=b) for b in betas]
+        out += [learning.spec("MixGRPO", lr, name=f"MixGRPO lr {lr:g} w {w}", window=w) for w in windows]
     return out
 
 
@@ -294,16 +291,34 @@ def headline_full(out, seeds, cap, sweep_iterations, jobs, reuse_sweep=False):
     raw = os.path.join(out, "headline")
     os.makedirs(raw, exist_ok=True)
     sweep_path = os.path.join(raw, "sweep.json")
-    if not (reuse_sweep and os.path.exists(sweep_path)):
-        print(f"headline: sweep of {len(sweep_specs())} learners x {sweep_iterations} iterations on seed 0", flush=True)
+    done = json.load(open(sweep_path)) if reuse_sweep and os.path.exists(sweep_path) else None
+    missing = [m for m in sweep_specs() if done is None or m["name"] not in done["methods"]]
+    if missing:  # learners do not interact (each has its own weights; every draw is keyed), so a sweep can grow
+        print(f"headline: sweep of {len(missing)} learners x {sweep_iterations} iterations on seed 0", flush=True)
+        part = sweep_path if done is None else os.path.join(raw, f"sweep-after-{len(done['methods'])}.json")
         run_commands([([sys.executable, os.path.join(HERE, "learning.py"), "--reward", "colour", "--seed", "0",
-                        "--iterations", str(sweep_iterations), "--methods", json.dumps(sweep_specs()),
-                        "--out", sweep_path], os.path.join(raw, "sweep.log"))], 1)
+                        "--iterations", str(sweep_iterations), "--methods", json.dumps(missing),
+                        "--out", part], part.replace(".json", ".log"))], 1)
+        if done is not None:  # merged into sweep.json; the part's log stays beside it
+            done["methods"].update(json.load(open(part))["methods"])
+            json.dump(done, open(sweep_path, "w"))
+            os.remove(part)
     sweep = json.load(open(sweep_path))
     chosen = choose(sweep)
     print(f"headline: chosen {json.dumps(chosen)}; {seeds} seeds, cap {cap}", flush=True)
-    run_commands(headline_commands(out, chosen, range(1, seeds + 1), cap), jobs)
+    commands = headline_commands(out, chosen, range(1, seeds + 1), cap)
+    if reuse_sweep:  # a seed already run with exactly these settings and cap would give the same curves again
+        commands = [c for c in commands if not same_run(c[0][c[0].index("--out") + 1], chosen, cap)]
+    run_commands(commands, jobs)
     return load_headline(out)
+
+
+def same_run(path, chosen, cap):
+    if not os.path.exists(path):
+        return False
+    run = json.load(open(path))
+    return run["setup"]["iterations"] == cap and [m["settings"] for m in run["methods"].values()] == list(
+        chosen.values())
 
 
 def load_headline(out):
@@ -348,13 +363,16 @@ def reaching(run, gain):
 
 
 def ratio_cell(values, lower):
-    """'mean ± std (per seed a / b / c)' of the ratios; '>' where a seed's method never reached the target."""
+    """'mean ± std (per seed a / b / c)' of the ratios. Where the baseline never reached the target, a seed gives
+    only a lower bound ('>'), which no mean can hold: the mean is then over the seeds where it did."""
     import numpy as np
 
-    v = np.array(values)
-    mark = "> " if any(lower) else ""
     seeds = " / ".join(("> " if lo else "") + f"{x:.2f}" for x, lo in zip(values, lower))
-    return f"{mark}{v.mean():.2f} ± {v.std():.2f} ({seeds})"
+    reached = np.array([x for x, lo in zip(values, lower) if not lo])
+    if len(reached) == 0:
+        return f"> {min(values):.2f} (never reached: {seeds})"
+    where = "" if len(reached) == len(values) else f" on the {len(reached)} of {len(values)} seeds reached"
+    return f"{reached.mean():.2f} ± {reached.std():.2f}{where} ({seeds})"
 
 
 def headline_table(sweep, runs):
@@ -377,7 +395,8 @@ def headline_table(sweep, runs):
               f"evaluation (after each of the first {dense} iterations, then every {every}) at or above its target "
               f"(V-GRPO's: the higher one); cap {cap} "
               "iterations. Per-seed values seed by seed; ratios are the baseline's over V-GRPO's, per seed, then "
-              "mean ± std over seeds; '>' marks a lower bound (the baseline did not reach the target within the cap).",
+              "mean ± std over the seeds where the baseline reached its target; '>' marks a lower bound (the "
+              "baseline did not reach the target within the cap).",
               "", "| baseline | target gain | settings (baseline; V-GRPO) | reached | gradient steps to target "
               "(baseline; V-GRPO) | forward rows (NFE) to target | seconds to target | steps / V-GRPO's "
               "| NFE / V-GRPO's | seconds / V-GRPO's | steps ratio x cost of an iteration | paper's claim |",
@@ -385,11 +404,10 @@ def headline_table(sweep, runs):
     for kind in HEADLINE_KINDS[1:]:
         lines.append(target_row(runs, kind, chosen))
     lines += ["", "Seconds are per-process training time (evaluation excluded), one torch thread, the methods "
-              "interleaved iteration by iteration. The machine's load changed during the runs (2 cores shared with "
-              "other work, load 5 to 16), and V-GRPO's few iterations and a baseline's later ones saw different "
-              "loads (seed 1's V-GRPO iterations 2-3 took 25 and 48 s against 2-4 s otherwise). The last ratio column "
-              "is the steps ratio times the cost of one of the baseline's iterations relative to V-GRPO's: the "
-              "median, over every iteration both ran, of their seconds in that iteration (interleaved, so under "
+              "interleaved iteration by iteration. On a shared machine the load changes during a run, and "
+              "V-GRPO's few iterations and a baseline's later ones may see different loads; the last ratio column "
+              "is therefore the steps ratio times the cost of one of the baseline's iterations relative to V-GRPO's: "
+              "the median, over every iteration both ran, of their seconds in that iteration (interleaved, so under "
               "about the same load).", ""]
     return "\n".join(lines)
 
@@ -451,10 +469,12 @@ def headline_plot(sweep, runs, path):
         chosen = all(m["settings"].get(k) == v for k, v in runs[0]["methods"][kind]["settings"].items()
                      if k not in ("name", "target_gain"))
         axes[0].plot([it for it, _ in m["eval"]], [v - m["eval"][0][1] for _, v in m["eval"]], marker="o", ms=2,
-                     color=HEADLINE_COLOURS[kind], lw=1.8 if chosen else 0.8, ls="-" if chosen else ":", label=name)
+                     color=HEADLINE_COLOURS[kind], lw=1.8 if chosen else 0.8, ls="-" if chosen else ":",
+                     label=name if chosen else None)
+    axes[0].plot([], [], color="grey", lw=0.8, ls=":", label=f"the other {len(sweep['methods']) - 3} settings")
     axes[0].set_title("sweep, seed 0 (solid: chosen)", fontsize=9)
     axes[0].set_xlabel("gradient steps")
-    axes[0].legend(fontsize=6)
+    axes[0].legend(fontsize=7)
     for ax, key, label in zip(axes[1:], (0, 1, 2), ("gradient steps", "transformer forward rows (NFE)",
                                                      "training seconds (shared 2-core CPU)")):
         for kind in HEADLINE_KINDS:
@@ -469,7 +489,7 @@ def headline_plot(sweep, runs, path):
         for kind in HEADLINE_KINDS[1:]:
             ax.axhline(runs[0]["methods"][kind]["settings"]["target_gain"], ls="--", color=HEADLINE_COLOURS[kind],
                        lw=1, label=f"{kind}'s target")
-        ax.set_title(f"measured runs, seeds {', '.join(str(r['seed']) for r in runs)}, stopped at the target",
+        ax.set_title(f"seeds {', '.join(str(r['seed']) for r in runs)}, each stopped at its target or the cap",
                      fontsize=9)
         ax.set_xlabel(label)
     for ax in axes:
@@ -503,11 +523,13 @@ def main():
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--iterations", type=int, default=24, help="iterations of the learning jobs")
     p.add_argument("--sweep-iterations", type=int, default=24, help="iterations of the headline's sweep")
-    p.add_argument("--cap", type=int, default=48, help="headline: iterations after which a learner that has not "
+    p.add_argument("--cap", type=int, default=96, help="headline: iterations after which a learner that has not "
                    "reached the target stops")
     p.add_argument("--jobs", type=int, default=2, help="processes side by side (one torch thread each)")
     p.add_argument("--report-only", action="store_true", help="rebuild the tables and plots from OUT's raw JSON")
-    p.add_argument("--reuse-sweep", action="store_true", help="headline: take the sweep already in OUT/headline")
+    p.add_argument("--reuse-sweep", action="store_true", help="headline: keep the sweep's learners already in "
+                   "OUT/headline/sweep.json and run only those missing from it; rerun only the seeds whose settings "
+                   "changed")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     t = time.perf_counter()

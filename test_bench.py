@@ -5,6 +5,7 @@ would, its outputs checked.
     python -m pytest test_bench.py -q
 """
 
+import json
 import math
 import os
 import subprocess
@@ -311,3 +312,16 @@ def test_gpu_bench_quick_mode(tmp_path):
     gpu.main(["--quick", "--time-limit", "0", "--out", str(tmp_path / "nothing.md")])
     nothing = (tmp_path / "nothing.md").read_text()
     assert "Not measured, --time-limit reached first: SD3.5-M, FLUX.1-dev." in nothing and "(tiny) |" not in nothing
+
+
+def test_reuse_keeps_only_a_seed_run_with_the_same_settings_and_cap(tmp_path):
+    chosen = {"V-GRPO": {"name": "V-GRPO", "kind": "V-GRPO", "lr": 0.006, "target_gain": 0.17},
+              "MixGRPO": {"name": "MixGRPO", "kind": "MixGRPO", "lr": 0.02, "window": 4, "target_gain": 0.17}}
+    path = tmp_path / "seed-1.json"
+    assert not bench_run.same_run(str(path), chosen, 96)                 # never run
+    path.write_text(json.dumps({"setup": {"iterations": 96},
+                                "methods": {k: {"settings": v} for k, v in chosen.items()}}))
+    assert bench_run.same_run(str(path), chosen, 96)
+    assert not bench_run.same_run(str(path), chosen, 48)                 # another cap
+    other = {**chosen, "MixGRPO": {**chosen["MixGRPO"], "window": 2}}
+    assert not bench_run.same_run(str(path), other, 96)                  # another setting

@@ -1,5 +1,5 @@
-"""Cost against its limit (item 3 of the benchmark) and the GPU-path changes' measures, before and after: where a V-GRPO iteration's
-time goes, and how close it is to the cheapest thing that could do its job.
+"""Cost against its limit (item 3 of the benchmark) and the GPU-path changes' measures, before and after: where a
+V-GRPO iteration's time goes, and how close it is to the cheapest thing that could do its job.
 
     python bench/cost.py --out /tmp/cost.md          # ten minutes on an idle 2-core machine
     python bench/cost.py --quick --out /tmp/cost.md  # seconds, for the test

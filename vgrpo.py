@@ -193,11 +193,15 @@ def resolve_defaults(args, world_size):
     if args.lr is None:
         args.lr = 2e-3 if is_tiny(args.model) else 1e-5 if args.full_finetune else 3e-4
     if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
-        local_minibatch = args.prompts_per_step // world_size * args.group_size // max(args.inner_steps, 1)
-        args.micro_batch = math.gcd(local_minibatch, 16 if is_tiny(args.model) else 4)
+        args.micro_batch = math.gcd(local_minibatch(args, world_size), 16 if is_tiny(args.model) else 4)
     if args.resume == "auto":
         args.resume = latest_checkpoint(args.output_dir) or ""  # nothing saved yet: start from scratch
     return args
+
+
+def local_minibatch(args, world_size):
+    """Samples per optimizer step on each process: P / world prompt groups of G, split over the inner steps."""
+    return args.prompts_per_step // world_size * args.group_size // max(args.inner_steps, 1)
 
 
 # --------------------------------------------------------------------------- the method
@@ -765,13 +769,13 @@ def check_sizes(args, world_size):
                          f"processes (each process takes whole prompt groups): use --prompts-per-step {nearest}")
     if args.group_size % args.inner_steps:
         raise UsageError(f"--inner-steps {args.inner_steps} must divide --group-size {args.group_size}")
-    local_minibatch = args.prompts_per_step // world_size * args.group_size // args.inner_steps
+    minibatch = local_minibatch(args, world_size)
     if args.fsdp and ("RANK" not in os.environ or args.mixed_precision == "fp16"):
         raise UsageError("--fsdp shards over torchrun's processes (launch with torchrun) and computes in bf16 or "
                          "float32 (fp16's loss scaler is not sharded)")
-    if args.micro_batch < 1 or local_minibatch % args.micro_batch:
+    if args.micro_batch < 1 or minibatch % args.micro_batch:
         raise UsageError(f"--micro-batch {args.micro_batch} must divide the per-process minibatch of "
-                         f"{local_minibatch} samples (P/world * G / inner-steps)")
+                         f"{minibatch} samples (P/world * G / inner-steps)")
     if args.clip_eps <= 0 or args.beta < 0 or args.adv_soft_clip < 0 or args.lr <= 0:
         raise UsageError("--clip-eps and --lr must be positive; --beta and --adv-soft-clip non-negative")
     if args.resolution < 16 or args.resolution % 16:

@@ -306,10 +306,10 @@ def headline_full(out, seeds, cap, sweep_iterations, jobs, reuse_sweep=False):
     sweep = json.load(open(sweep_path))
     chosen = choose(sweep)
     print(f"headline: chosen {json.dumps(chosen)}; {seeds} seeds, cap {cap}", flush=True)
-    commands = headline_commands(out, chosen, range(1, seeds + 1), cap)
-    if reuse_sweep:  # a seed already run with exactly these settings and cap would give the same curves again
-        commands = [c for c in commands if not same_run(c[0][c[0].index("--out") + 1], chosen, cap)]
-    run_commands(commands, jobs)
+    # with --reuse-sweep, a seed already run with exactly these settings and cap would give the same curves again
+    todo = [seed for seed in range(1, seeds + 1)
+            if not (reuse_sweep and same_run(os.path.join(raw, f"seed-{seed}.json"), chosen, cap))]
+    run_commands(headline_commands(out, chosen, todo, cap), jobs)
     return load_headline(out)
 
 

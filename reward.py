@@ -354,6 +354,121 @@ def load_imagereward(device, dtype=None):
     return fn
 
 
+# --------------------------------------------------------------------------- handwritten digits (the CPU demo's task)
+
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+NO_DIGIT = 10  # the classifier's eleventh class: images that are no digit at all
+DIGITS_JUDGES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits", "classifiers.safetensors")
+
+
+def digit_ink(images):
+    """(B, 3, H, W) in [0, 1], dark ink on white -> (B, 1, 16, 16): the ink of each cell of a 16 x 16 grid in [0, 1]
+    (the demo's own resolution, where this is 1 - grey), after the uint8 rounding every reward sees."""
+    gray = ((images.detach().float().clamp(0, 1) * 255).round() / 255).mean(1, keepdim=True)
+    return torch.nn.functional.adaptive_avg_pool2d(1 - gray, 16)
+
+
+class DigitJudge:
+    """The two judges digits/pretrain.py trains on the UCI digits, plain tensors in one safetensors file.
+
+    A small CNN (three 3x3 convolutions, 35k weights) over eleven classes: the ten digits and "no digit", the
+    latter trained on made-up non-digits (bars, blobs, two digits overlaid, speckle). Its probability of the
+    prompted digit is the training reward; the eleventh class is what keeps the reward from being maximised by a
+    thick bar that a classifier of ten digits would call a 2 (a logistic regression was, within 20 iterations).
+    A k-nearest-neighbour vote over the training images' ink, an independent second opinion: it counts an image
+    only when its nearest training image is no farther than 1.25 times the farthest any held-out real digit is
+    from its own, so an image that is like no handwritten digit never counts, whatever its neighbours vote."""
+
+    def __init__(self, tensors):
+        self.cnn = {k.removeprefix("cnn."): v.float() for k, v in tensors.items() if k.startswith("cnn.")}
+        self.ink, self.labels = tensors["knn.ink"].float(), tensors["knn.labels"]
+        self.k, self.max_distance = int(tensors["knn.k"]), float(tensors["knn.max_distance"])
+
+    @classmethod
+    def load(cls, path=DIGITS_JUDGES):
+        from safetensors.torch import load_file
+
+        if not os.path.isfile(path):
+            raise RewardError(f"the digit rewards need {path}: it ships with the repository "
+                              "(python digits/pretrain.py makes it again)")
+        return cls(load_file(path))
+
+    def logits(self, ink):
+        """The CNN on ink (B, 1, 16, 16) -> (B, 11)."""
+        F, w = torch.nn.functional, self.cnn
+        x = F.relu(F.conv2d(ink, w["0.weight"], w["0.bias"], padding=1))
+        x = F.relu(F.conv2d(x, w["2.weight"], w["2.bias"], stride=2, padding=1))
+        x = F.relu(F.conv2d(x, w["4.weight"], w["4.bias"], stride=2, padding=1))
+        return F.linear(x.flatten(1), w["7.weight"], w["7.bias"])
+
+    @torch.no_grad()
+    def probabilities(self, images):
+        """(B, 11): the CNN's probability of each digit and, last, of no digit."""
+        return torch.softmax(self.logits(digit_ink(images).cpu()), dim=1)
+
+    def predict(self, images):
+        """The CNN's most probable class: a digit, or NO_DIGIT."""
+        return self.probabilities(images).argmax(1)
+
+    def knn_predict(self, images):
+        """The most frequent digit among the k nearest training images (Euclidean on the ink; a tie goes to the
+        digit whose nearest image is nearest), or NO_DIGIT when even the nearest is farther than max_distance."""
+        distances = torch.cdist(digit_ink(images).cpu().flatten(1), self.ink)
+        nearest = distances.topk(self.k, largest=False)                 # (B, k), nearest first
+        votes = torch.nn.functional.one_hot(self.labels[nearest.indices], 10).sum(1).float()
+        first_seen = torch.full((len(images), 10), float(self.k))
+        for j in reversed(range(self.k)):                               # rank of each digit's nearest image
+            first_seen.scatter_(1, self.labels[nearest.indices[:, j:j + 1]], float(j))
+        vote = (votes - first_seen / (self.k + 1)).argmax(1)
+        return vote.masked_fill(nearest.values[:, 0] > self.max_distance, NO_DIGIT)
+
+
+def prompted_digit(prompt, metadata=None):
+    """The digit a prompt asks for: metadata["digit"] when the prompt file gives it, else the one digit word
+    ("seven") or numeral ("7") in the prompt; RewardError when there is none or more than one."""
+    if metadata and metadata.get("digit") is not None:
+        return int(metadata["digit"])
+    words = re.findall(r"[a-z]+|\d", prompt.lower())
+    found = {DIGIT_WORDS.index(w) if w in DIGIT_WORDS else int(w) for w in words if w in DIGIT_WORDS or w.isdigit()}
+    if len(found) != 1:
+        raise RewardError(f"digit rewards: prompt {prompt!r} names {'no digit' if not found else 'several digits'}; "
+                          'name one ("seven" or "7") or give it as {"digit": 7} in a .jsonl prompt file')
+    return found.pop()
+
+
+def digit_reward(kind, judge):
+    """kind "probability": the CNN's probability of the prompted digit (the training reward: graded, so a group of
+    images that are all wrong still has an order); "correct": 1 where its most probable class is the prompted
+    digit, else 0 (accuracy, for evaluation); "knn": the same with the k-NN vote (the second opinion: a gain the
+    k-NN does not share is the CNN being fooled)."""
+
+    def fn(images, prompts, metadata=None):
+        wanted = torch.tensor([prompted_digit(p, metadata[i] if metadata else None) for i, p in enumerate(prompts)])
+        if kind == "probability":
+            return judge.probabilities(images).gather(1, wanted[:, None]).squeeze(1)
+        predicted = judge.predict(images) if kind == "correct" else judge.knn_predict(images)
+        return (predicted == wanted).float()
+
+    return fn
+
+
+def load_digit(device, dtype=None):
+    """The prompted digit's probability under a small CNN with a "no digit" class (DigitJudge; the CPU demo's
+    reward). Scale: [0, 1]; the pretrained digits model scores about 0.33 on held-out prompts."""
+    return digit_reward("probability", DigitJudge.load())
+
+
+def load_digit_correct(device, dtype=None):
+    """1 if the CNN reads the prompted digit, else 0: accuracy, for evaluation. Scale: [0, 1]."""
+    return digit_reward("correct", DigitJudge.load())
+
+
+def load_digit_knn(device, dtype=None):
+    """1 if a 5-nearest-neighbour vote over the training digits reads the prompted digit in an image that is near
+    one of them: an independent check of `digit`'s gains (reward hacking). Scale: [0, 1]."""
+    return digit_reward("knn", DigitJudge.load())
+
+
 # --------------------------------------------------------------------------- OCR (text rendering)
 
 
@@ -486,7 +601,8 @@ def python_reward(path, name):
 
 # name -> loader(device, dtype=None) -> fn(images, prompts[, metadata]); dtype is the model-based rewards' dtype
 REWARDS = {"jpeg": load_jpeg, "pickscore": load_pickscore, "clipscore": load_clipscore, "hpsv2": load_hpsv2,
-           "aesthetic": load_aesthetic, "imagereward": load_imagereward, "ocr": load_ocr}
+           "aesthetic": load_aesthetic, "imagereward": load_imagereward, "ocr": load_ocr, "digit": load_digit,
+           "digit_correct": load_digit_correct, "digit_knn": load_digit_knn}
 
 
 def _split_weight(item):
@@ -545,9 +661,25 @@ def accepts_metadata(fn):
     return any(p.name == "metadata" or p.kind is p.VAR_KEYWORD for p in params)
 
 
+def as_rewards(value, name, n):
+    """A reward's answer -> a float32 CPU tensor of shape (n,): one number per image, as a tensor, a numpy array
+    or a list / tuple of numbers; anything else is a RewardError naming the reward."""
+    import numpy as np
+
+    if isinstance(value, (list, tuple, np.ndarray)):
+        try:
+            value = torch.as_tensor(np.asarray(value, dtype=np.float64))
+        except (TypeError, ValueError):
+            raise RewardError(f"reward '{name}' returned a {type(value).__name__} that is not {n} numbers") from None
+    if not isinstance(value, torch.Tensor) or value.shape != (n,) or value.dtype == torch.bool or value.is_complex():
+        raise RewardError(f"reward '{name}' returned {type(value).__name__} {tuple(getattr(value, 'shape', ()))}, "
+                          f"expected one number per image: a tensor, array or list of shape ({n},)")
+    return value.detach().float().cpu()
+
+
 class WeightedReward:
-    """Sum of weighted rewards, checked at the boundary: each part must return a float tensor of shape
-    (B,), else RewardError names it. `last_parts` keeps each component of the last call for logging;
+    """Sum of weighted rewards, checked at the boundary: each part must return B numbers (as_rewards), else
+    RewardError names it. `last_parts` keeps each component of the last call for logging;
     `nonfinite` names the parts whose last values were NaN or Inf (the trainer then skips the update).
     `metadata`, a list of B dicts or None, reaches only the parts whose signature accepts it."""
 
@@ -562,12 +694,8 @@ class WeightedReward:
         total = torch.zeros(len(images), dtype=torch.float32)
         self.nonfinite = []
         for name, weight, fn in self.parts:
-            r = fn(images, prompts, metadata=metadata) if self.takes_metadata[name] else fn(images, prompts)
-            if not isinstance(r, torch.Tensor) or r.shape != (len(images),) or not r.is_floating_point():
-                raise RewardError(f"reward '{name}' returned {type(r).__name__} "
-                                  f"{tuple(getattr(r, 'shape', ()))}, expected a float tensor of shape "
-                                  f"({len(images)},)")
-            r = r.detach().float().cpu()
+            r = as_rewards(fn(images, prompts, metadata=metadata) if self.takes_metadata[name] else
+                           fn(images, prompts), name, len(images))
             if not torch.isfinite(r).all():
                 self.nonfinite.append(name)
             self.last_parts[name] = r

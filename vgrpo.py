@@ -77,18 +77,23 @@ def arg(default, help):
 class Args:
     # None: the model's recipe decides (RECIPES below, resolved by resolve_defaults); explicit flags always win.
     preset: str = arg("", "a named stage of the paper's curriculum (see PRESETS); explicit flags override it")
-    model: str = arg("tiny", "tiny / tiny-flux (random, built in code, CPU), sd3 (SD3.5-Medium), flux (FLUX.1-dev), "
-                             "or any SD3 / FLUX pipeline id or path")
-    reward: str = arg(None, "reward spec name[:weight],...: jpeg, pickscore, clipscore, hpsv2, imagereward, aesthetic, "
-                            "ocr, http://host:port/path, file.py:function (default: pickscore for SD3, hpsv2 for "
-                            "FLUX, jpeg:100 for the tiny models)")
+    model: str = arg("digits", "digits (the CPU demo: a tiny SD3 pretrained on handwritten digits, shipped in "
+                               "digits/), sd3 (SD3.5-Medium), flux (FLUX.1-dev), tiny / tiny-flux (random, built in "
+                               "code, for tests), or any SD3 / FLUX pipeline id or folder")
+    reward: str = arg(None, "reward spec name[:weight],...: pickscore, clipscore, hpsv2, imagereward, aesthetic, "
+                            "ocr, digit, jpeg, http://host:port/path, file.py:function (default: pickscore for SD3, "
+                            "hpsv2 for FLUX, digit for the digits model, jpeg:100 for the tiny models)")
     reward_advantage: str = arg("sum", "several rewards: sum (advantage of the weighted sum) or per-reward (sum of "
                                        "each reward's group advantage, as MixGRPO)")
     prompts: str = arg(None, ".txt (one prompt per line) or .jsonl ({\"prompt\": ..., metadata for the reward}); "
-                             "default: prompts/train.txt for real models, 12 built-in prompts for the tiny ones")
-    resolution: int = arg(None, "image side in pixels (default: 512 for SD3, 720 for FLUX, 32 for the tiny models)")
+                             "default: prompts/train.txt for real models, prompts/digits_train.jsonl for digits, "
+                             "12 built-in prompts for the tiny ones")
+    resolution: int = arg(None, "image side in pixels (default: 512 for SD3, 720 for FLUX, 16 for digits, 32 for the "
+                                "tiny models)")
+    max_sequence_length: int = arg(None, "T5 tokens per prompt (default: 256 SD3, 512 FLUX; none for an SD3 without "
+                                         "T5, whose T5 part would be that many zero tokens in every forward pass)")
     sampler: str = arg("dpmpp2m", "ODE sampler for rollouts: dpmpp2m (DPM-Solver++ 2M) or euler")
-    sample_steps: int = arg(None, "ODE steps per rollout (default: 40 SD3, 16 FLUX, 10 tiny)")
+    sample_steps: int = arg(None, "ODE steps per rollout (default: 40 SD3, 16 FLUX, 12 digits, 10 tiny)")
     guidance: float = arg(None, "SD3: classifier-free guidance scale (default 1 = off, as the paper trains SD3.5-M); "
                                 "FLUX: the guidance embedding's value (default 3.5), one pass")
     iterations: int = arg(None, "total training iterations, a resumed run continues up to it (150 SD3, 300 FLUX, "
@@ -135,10 +140,14 @@ class Args:
     max_bad_steps: int = arg(3, "stop after this many consecutive iterations with NaN/Inf rewards, losses or gradients")
     dist_timeout: int = arg(600, "seconds a collective may wait for another rank before the run fails (no hangs)")
     sample_every: int = arg(10, "save a PNG grid of rollout samples and update rewards.csv/.png every N iterations")
-    eval_prompts: str = arg("", "held-out prompts (.txt or .jsonl) for a deterministic evaluation (fixed noises, ODE)")
-    eval_every: int = arg(0, "evaluate every N iterations, before training and at the end (0: never)")
-    eval_rewards: str = arg("", "reward spec of the evaluation, may differ from --reward (default: --reward's rewards)")
-    eval_images: int = arg(2, "images per evaluation prompt")
+    eval_prompts: str = arg(None, "held-out prompts (.txt or .jsonl) for a deterministic evaluation (fixed noises, "
+                                  "ODE); a .jsonl's \"tag\" field breaks the first evaluation reward down by tag "
+                                  "(default: prompts/digits_eval.jsonl for digits, none otherwise)")
+    eval_every: int = arg(None, "evaluate every N iterations, before training and at the end (0: never; default: 20 "
+                                "for digits, 0 otherwise)")
+    eval_rewards: str = arg(None, "reward spec of the evaluation, may differ from --reward (default: --reward's "
+                                  "rewards; digits: digit_correct,digit_knn,digit)")
+    eval_images: int = arg(None, "images per evaluation prompt (default: 8 for digits, 2 otherwise)")
     report_to: str = arg("", "also log to tensorboard, wandb or both (tensorboard,wandb); metrics.jsonl is always "
                              "written. wandb works offline with WANDB_MODE=offline")
     device: str = arg("auto", "auto, cpu, cuda")
@@ -151,20 +160,28 @@ class Args:
 # value, and marks what no public source settles). SD3.5-M: one stage of its curriculum, 48 prompts x 24 images,
 # 40-step DPM-Solver++ without CFG, one optimizer step per iteration with the advantage soft clip. FLUX.1-dev: 16-step
 # DPM-Solver++, several clipped steps per iteration; 12 images per prompt at 720 px (MixGRPO's setting on the same
-# benchmark). The tiny CPU models are fully fine-tuned at 2e-3: LoRA on their few weights learns far less in minutes.
-MODEL_IDS = {"sd3": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev"}
-_REAL = dict(mixed_precision="bf16", gradient_checkpointing=True, full_finetune=False, save_every=25)
+# benchmark). digits (the CPU demo): the pretrained miniature of digits/, LoRA on a verifiable reward with a held-out
+# evaluation. The tiny random models are fully fine-tuned at 2e-3: LoRA on their few weights learns far less in minutes.
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_IDS = {"sd3": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev",
+             "digits": os.path.join(HERE, "digits", "pipeline")}
+_NO_EVAL = dict(eval_prompts="", eval_every=0, eval_rewards="", eval_images=2)
+_REAL = dict(_NO_EVAL, mixed_precision="bf16", gradient_checkpointing=True, full_finetune=False, save_every=25)
 RECIPES = {
     "sd3": dict(_REAL, reward="pickscore", resolution=512, sample_steps=40, guidance=1.0, iterations=150,
                 prompts_per_step=48, group_size=24, inner_steps=1, adv_soft_clip=3.0, sample_batch=24),
     "flux": dict(_REAL, reward="hpsv2", resolution=720, sample_steps=16, guidance=3.5, iterations=300,
                  prompts_per_step=32, group_size=12, inner_steps=4, adv_soft_clip=0.0, sample_batch=12),
-    "tiny": dict(reward="jpeg:100", resolution=32, sample_steps=10, guidance=1.0, iterations=60, prompts_per_step=4,
+    "digits": dict(reward="digit", prompts="prompts/digits_train.jsonl", eval_prompts="prompts/digits_eval.jsonl",
+                   eval_every=20, eval_rewards="digit_correct,digit_knn,digit", eval_images=8, resolution=16,
+                   sample_steps=12, guidance=1.0, iterations=80, prompts_per_step=4, group_size=8, inner_steps=1,
+                   adv_soft_clip=0.0, mixed_precision="no", gradient_checkpointing=False, full_finetune=False,
+                   lr=1e-3, save_every=80, sample_batch=32),
+    "tiny": dict(_NO_EVAL, reward="jpeg:100", resolution=32, sample_steps=10, guidance=1.0, iterations=60, prompts_per_step=4,
                  group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no", gradient_checkpointing=False,
                  full_finetune=True, save_every=50, prompts="", sample_batch=16),
 }
-RECIPES["tiny-flux"] = dict(RECIPES["tiny"], guidance=3.5)  # the guidance embedding's value, as FLUX.1-dev
-HERE = os.path.dirname(os.path.abspath(__file__))
+RECIPES["tiny-flux"] = dict(RECIPES["tiny"], guidance=3.5, max_sequence_length=16)  # FLUX.1-dev's guidance value
 TRAIN_PROMPTS = os.path.join(HERE, "prompts", "train.txt")  # a real model's prompts when --prompts is not given
 
 # Named stages of the paper's curriculum: a model and a reward (and what the stage changes); the model's recipe
@@ -184,10 +201,11 @@ def is_tiny(model):
 def resolve_defaults(args, world_size):
     """Every default in one place: each flag left at None from the model's recipe; the learning rate follows LoRA /
     full fine-tuning; the micro-batch divides the per-process minibatch; --resume auto names the newest checkpoint."""
-    recipe = RECIPES[args.model if is_tiny(args.model) else model_kind(args.model)]
+    recipe = RECIPES[args.model if args.model in RECIPES else model_kind(args.model)]
     for name, value in recipe.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+        if getattr(args, name) is None:  # the recipe's files are the project's: relative to where it runs
+            setattr(args, name, os.path.relpath(os.path.join(HERE, value)) if name.endswith("prompts") and value
+                    else value)
     if args.prompts is None:  # relative, so that nodes with the project at different paths agree on the config
         args.prompts = os.path.relpath(TRAIN_PROMPTS)
     if args.lr is None:
@@ -733,10 +751,10 @@ DEFAULT_PROMPTS = [  # the tiny CPU demo's prompts; a real model trains on promp
 def validate(args, world_size):
     """Every check that needs no model, so a wrong flag fails in a second with one line, for `world_size`
     processes (the defaults were resolved for torchrun's WORLD_SIZE when Args was made)."""
-    if not is_tiny(args.model) and args.model not in MODEL_IDS and not os.path.isdir(args.model) \
-            and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.model):
-        raise UsageError(f"unknown model '{args.model}': use tiny, tiny-flux, {', '.join(MODEL_IDS)}, "
-                         "a Hugging Face id (org/name) or a local pipeline directory")
+    if not is_tiny(args.model) and args.model not in MODEL_IDS and not os.path.isdir(args.model):
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", args.model) or args.model.startswith("."):
+            raise UsageError(f"--model {args.model}: no such folder, and not a Hugging Face id (org/name); use "
+                             f"{', '.join(MODEL_IDS)}, tiny, tiny-flux, an id or a local pipeline folder")
     for name, (called, valid) in CHOICES.items():
         if getattr(args, name) not in valid:
             raise UsageError(f"unknown {called} '{getattr(args, name)}': valid choices are {', '.join(valid)}")
@@ -1079,7 +1097,7 @@ def model_kind(model):
         return model
     if is_tiny(model):
         return "flux" if model == "tiny-flux" else "sd3"
-    index = os.path.join(model, "model_index.json")
+    index = os.path.join(MODEL_IDS.get(model, model), "model_index.json")
     if os.path.isfile(index):
         with open(index) as f:
             return "flux" if "Flux" in json.load(f).get("_class_name", "") else "sd3"
@@ -1090,21 +1108,12 @@ def load_family(args, device):
     """--model -> a Family on `device`. Missing weights are one clear line, not a traceback."""
     kind, amp = model_kind(args.model), AMP_DTYPES[args.mixed_precision]
     if is_tiny(args.model):
-        # tiny SD3 has no T5: its embeddings are zeros, so keep their padded length short (8) to save compute
         pipe = build_tiny_sd3_pipeline() if kind == "sd3" else build_tiny_flux_pipeline()
-        max_len = 8 if kind == "sd3" else 16
     else:
-        from diffusers import FluxPipeline, StableDiffusion3Pipeline
-
-        name = MODEL_IDS.get(args.model, args.model)
-        try:  # frozen parts in the mixed-precision dtype; the transformer is cast below if it is frozen too
-            pipe = (FluxPipeline if kind == "flux" else StableDiffusion3Pipeline).from_pretrained(
-                name, dtype=amp or torch.float32)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"could not load '{name}' ({type(e).__name__}): the weights are not available here; "
-                             f"download them once with `hf download {name}` (accept the model's licence first) "
-                             "or pass a local pipeline directory with --model /path/to/pipeline") from None
-        max_len = 512 if kind == "flux" else 256
+        pipe = load_pipeline(MODEL_IDS.get(args.model, args.model), kind, amp or torch.float32)
+    # an SD3 without T5 would get max_sequence_length zero tokens in its place: none, unless asked for
+    max_len = args.max_sequence_length if args.max_sequence_length is not None else \
+        512 if kind == "flux" else 256 if pipe.text_encoder_3 is not None else 0
     pipe.set_progress_bar_config(disable=True)
     # full fine-tuning keeps float32 master weights (AdamW on bf16 weights loses small updates); with LoRA
     # the frozen base weights can live in the low-precision dtype and only the adapters stay float32
@@ -1125,6 +1134,35 @@ def load_family(args, device):
     if kind == "flux":
         return FluxFamily(pipe, args.resolution, max_len, device, guidance=args.guidance, **kw)
     return SD3Family(pipe, args.resolution, max_len, device, **kw)
+
+
+def load_pipeline(name, kind, dtype):
+    """A StableDiffusion3Pipeline / FluxPipeline from a folder or the Hugging Face cache, its frozen parts in `dtype`.
+    Components the folder's model_index.json lists as absent (an SD3 saved without T5) are passed as None, which
+    diffusers requires. What is missing is one line."""
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    from huggingface_hub import try_to_load_from_cache
+
+    local = os.path.isdir(name)
+    index = os.path.join(name, "model_index.json") if local else try_to_load_from_cache(name, "model_index.json")
+    if local and not os.path.isfile(index):
+        raise UsageError(f"--model {name}: the folder has no model_index.json, so it is not a diffusers pipeline "
+                         "(make one with pipe.save_pretrained(folder))")
+    absent = {}
+    if isinstance(index, str) and os.path.isfile(index):
+        with open(index) as f:
+            absent = {part: None for part, entry in json.load(f).items() if entry == [None, None]}
+    try:
+        return (FluxPipeline if kind == "flux" else StableDiffusion3Pipeline).from_pretrained(name, dtype=dtype,
+                                                                                             **absent)
+    except (OSError, ValueError) as e:
+        if local:
+            raise UsageError(f"--model {name}: the pipeline folder is incomplete ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0]})") from None
+        raise UsageError(f"could not load '{name}' ({type(e).__name__}): it is not a local folder and the Hugging Face "
+                         f"cache has no complete copy; download it once with `hf download {name}` (accept the "
+                         "model's licence first) or pass a local pipeline folder with --model /path/to/pipeline") \
+            from None
 
 
 def add_trainable_weights(family, args):
@@ -1632,6 +1670,8 @@ def quiet_libraries():
 
     diffusers.utils.logging.set_verbosity_error()  # per-prompt truncation notices would drown the log
     transformers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()  # loading bars per component: one "loading" line says it
+    transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # bf16 norms on CPU
     # FSDP2 warns that the transformer returns a view; nothing here modifies a model output in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -1678,11 +1718,14 @@ def log_evaluation(run, done):
     if run.rank == 0:
         with open(os.path.join(run.args.output_dir, "eval.jsonl"), "a") as f:
             f.write(json.dumps(m) + "\n")
-        print(f"eval {done:5d}/{run.args.iterations} | " + " | ".join(f"{k.removeprefix('eval_')} {v:+.5f}"
-              for k, v in m.items() if k != "iteration"), flush=True)
+        overall = {k: v for k, v in m.items() if k != "iteration" and "/" not in k}
+        by_tag = {k.partition("/")[2]: v for k, v in m.items() if "/" in k}
+        print(f"eval {done:5d}/{run.args.iterations} | " + " | ".join(f"{k.removeprefix('eval_')} {v:+.4f}"
+              for k, v in overall.items()) + (f" | by tag: {' '.join(f'{t} {v:.2f}' for t, v in by_tag.items())}"
+                                                if by_tag else ""), flush=True)
         path = os.path.join(run.args.output_dir, "samples", f"eval-{done:05d}.png")
         if images is not None:
-            save_sample_grid(path, images, prompts, r, run.args.eval_images)
+            save_sample_grid(path, images, prompts, r, run.args.eval_images, max_groups=10)
         if run.trackers:
             run.trackers.log(m, done, images={"eval_samples": path} if images is not None else {})
 
@@ -1692,20 +1735,31 @@ def evaluate(run, done):
     """Deterministic evaluation on the held-out prompts after `done` iterations: the same noises every time (keyed by
     prompt and image, never by iteration or --seed, so runs are comparable), the ODE sampler, rewards that may differ
     from the training reward (so reward hacking shows: training reward up, held-out rewards down). Ranks take every
-    world-th prompt; sums are reduced. -> (metrics, images, prompts, rewards) of this rank's first 4 prompts."""
+    world-th prompt; sums are reduced. The first reward is also averaged per value of the prompts' "tag" metadata
+    (eval_NAME/TAG: per digit, per GenEval task), where a collapse onto a few of them shows.
+    -> (metrics, images, prompts, first reward) of this rank's first 10 prompts, for the picture."""
     args, fn = run.args, run.eval_reward_fn
     local = [(i, k) for i in range(run.rank, len(run.eval_prompts), run.world) for k in range(args.eval_images)]
     names = [name for name, _, _ in fn.parts]
-    sums = torch.zeros(len(names) + 2, dtype=torch.float64)           # each reward, the weighted total, count
+    tag_of = [str(md["tag"]) if md.get("tag") is not None else None for md in run.eval_metadata]
+    tags = list(dict.fromkeys(t for t in tag_of if t is not None))
+    # each reward, the weighted total, then the first reward's sum and count per tag, and the count of images
+    sums = torch.zeros(len(names) + 1 + 2 * len(tags) + 1, dtype=torch.float64)
     pictured = []                                                      # (images, prompts, rewards) for the grid
     for start in range(0, len(local), args.sample_batch):
         chunk = local[start:start + args.sample_batch]
         prompts = [run.eval_prompts[i] for i, _ in chunk]
         _, _, images = generate(run, prompts, [("eval", i, k) for i, k in chunk])
         total = score(fn, images, prompts, [run.eval_metadata[i] for i, _ in chunk], what="evaluation: ")
-        sums += torch.tensor([*(fn.last_parts[n].double().sum() for n in names), total.double().sum(), len(chunk)])
-        if sum(len(p) for _, p, _ in pictured) < 4 * args.eval_images:
-            pictured.append((images.cpu(), prompts, total))
+        first = fn.last_parts[names[0]].double()
+        by_tag = torch.zeros(2, len(tags), dtype=torch.float64)
+        for value, (i, _) in zip(first.tolist(), chunk):
+            if tag_of[i] is not None:
+                by_tag[:, tags.index(tag_of[i])] += torch.tensor([value, 1.0], dtype=torch.float64)
+        sums += torch.cat([torch.stack([fn.last_parts[n].double().sum() for n in names]), total.double().sum()[None],
+                           by_tag.flatten(), torch.tensor([float(len(chunk))], dtype=torch.float64)])
+        if sum(len(p) for _, p, _ in pictured) < 10 * args.eval_images:
+            pictured.append((images.cpu(), prompts, first.float()))
     if args.fsdp:  # FSDP gathers weights in every forward: each rank runs as many passes as the busiest one
         family, busiest = run.family, math.ceil(len(run.eval_prompts) / run.world) * args.eval_images
         for _ in range(math.ceil(len(local) / args.sample_batch), math.ceil(busiest / args.sample_batch)):
@@ -1714,10 +1768,13 @@ def evaluate(run, done):
     if run.world > 1:
         sums = sums.to(run.device)
         dist.all_reduce(sums)
-    means = (sums[:-1] / sums[-1].clamp_min(1)).tolist()
+    means = (sums[:len(names) + 1] / sums[-1].clamp_min(1)).tolist()
     m = {"iteration": done, **{f"eval_{rewards_lib.metric_name(n)}": v for n, v in zip(names, means)}}
-    if len(names) > 1:
+    if len(names) > 1 and (args.eval_rewards or args.reward) == args.reward:  # the training objective, held out
         m["eval_reward"] = means[-1]
+    tag_sums, tag_counts = sums[len(names) + 1:-1].view(2, len(tags)).tolist() if tags else ([], [])
+    first = rewards_lib.metric_name(names[0])
+    m.update({f"eval_{first}/{t}": total / count for t, total, count in zip(tags, tag_sums, tag_counts)})
     if not pictured:
         return m, None, [], None
     images, prompts, rewards = zip(*pictured)
@@ -1725,10 +1782,17 @@ def evaluate(run, done):
 
 
 def summarize(output_dir, history):
+    """The training reward's first and last iterations, and the held-out evaluation before and after."""
     if len(history) >= 2:
         k = min(10, len(history) // 2)
         print(f"vgrpo: done. mean reward of the first {k} iterations {sum(history[:k]) / k:+.5f}, "
               f"of the last {k} {sum(history[-k:]) / k:+.5f}", flush=True)
+    evals = read_jsonl(os.path.join(output_dir, "eval.jsonl"))
+    if len(evals) >= 2:
+        before, after = evals[0], evals[-1]
+        print(f"vgrpo: held-out, iteration {before['iteration']} -> {after['iteration']}: " + ", ".join(
+            f"{k.removeprefix('eval_')} {before[k]:.4f} -> {after[k]:.4f}" for k in after if k.startswith("eval_")
+            and "/" not in k and k in before), flush=True)
     png = write_curves(output_dir)
     print(f"vgrpo: reward curves in {os.path.join(output_dir, 'rewards.csv')}"
           + (f" and {png}" if png else " (pip install matplotlib for rewards.png)"), flush=True)
@@ -1780,8 +1844,14 @@ def write_curves(output_dir):
 
 
 def plot_curves(plt, rows, columns, path):
-    panels = [k for k in columns if k == "reward_mean" or k.startswith("eval_") or
-              (k.startswith("reward_") and k not in ("reward_std", "reward_group_std"))][:8]
+    """One panel per reward curve; an evaluation reward broken down by tag is one panel with a line per tag."""
+    single = [k for k in columns if "/" not in k and (k == "reward_mean" or k.startswith("eval_") or
+              (k.startswith("reward_") and k not in ("reward_std", "reward_group_std")))]
+    tagged = collections.defaultdict(list)
+    for k in columns:
+        if "/" in k:
+            tagged[k.partition("/")[0]].append(k)
+    panels = ([[k] for k in single] + list(tagged.values()))[:8]
     if not panels:
         return None
     cols = min(4, len(panels))
@@ -1789,17 +1859,26 @@ def plot_curves(plt, rows, columns, path):
     fig, axes = plt.subplots(rows_, cols, figsize=(3.6 * cols, 3.0 * rows_), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
-    for ax, key in zip(axes.flat, panels):
-        its = [it for it in sorted(rows) if rows[it].get(key) is not None and math.isfinite(rows[it][key])]
-        values = [rows[it][key] for it in its]
-        held_out = key.startswith("eval_")
-        ax.plot(its, values, "o-" if held_out else "-", color="tab:orange" if held_out else "tab:blue",
-                alpha=1.0 if held_out else 0.35, lw=1.2, ms=3)
-        if not held_out and len(values) >= 5:  # a 5-iteration moving average over the noisy per-batch mean
-            smooth = [sum(values[max(0, i - 4):i + 1]) / len(values[max(0, i - 4):i + 1]) for i in range(len(values))]
-            ax.plot(its, smooth, color="tab:blue", lw=1.8)
-        ax.set_title(("held-out " if held_out else "training ") + key.removeprefix("eval_").removeprefix("reward_")
-                     .replace("mean", "reward"), fontsize=9)
+    for ax, keys in zip(axes.flat, panels):
+        for key in keys:
+            its = [it for it in sorted(rows) if rows[it].get(key) is not None and math.isfinite(rows[it][key])]
+            values = [rows[it][key] for it in its]
+            held_out = key.startswith("eval_")
+            if len(keys) > 1:  # one line per tag
+                ax.plot(its, values, "o-", lw=1.0, ms=2, label=key.partition("/")[2])
+                continue
+            ax.plot(its, values, "o-" if held_out else "-", color="tab:orange" if held_out else "tab:blue",
+                    alpha=1.0 if held_out else 0.35, lw=1.2, ms=3)
+            if not held_out and len(values) >= 5:  # a 5-iteration moving average over the noisy per-batch mean
+                smooth = [sum(values[max(0, i - 4):i + 1]) / len(values[max(0, i - 4):i + 1])
+                          for i in range(len(values))]
+                ax.plot(its, smooth, color="tab:blue", lw=1.8)
+        name = keys[0].partition("/")[0]
+        ax.set_title(("held-out " if name.startswith("eval_") else "training ") + name.removeprefix("eval_")
+                     .removeprefix("reward_").replace("mean", "reward") + (" by tag" if len(keys) > 1 else ""),
+                     fontsize=9)
+        if len(keys) > 1:
+            ax.legend(fontsize=5, ncol=2)
         ax.set_xlabel("iteration", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)

@@ -5,7 +5,7 @@
     python bench/mutation.py --survivors             # then: the diff of every surviving mutant
 
 mutmut turns each function of vgrpo.py into a trampoline that runs one mutant at a time, and runs the fast-tier tests
-that call the function (setup.cfg, [mutmut]). It leaves decorated functions alone, so sample_ode, rollout,
+that call the function (tests/mutmut.cfg, copied into the project's copy as setup.cfg). It leaves decorated functions alone, so sample_ode, rollout,
 old_surrogate and generate, which are @torch.no_grad(), would never be mutated: the run works on a copy of the project in
 which those are wrapped after their definition instead (`rollout = torch.no_grad()(rollout)`, the same function).
 Prints the score per function as a markdown table; bench/results/mutation.md holds the last one and the survivors.
@@ -31,9 +31,10 @@ SKIP = shutil.ignore_patterns(".git", ".venv", "mutants", "runs", "__pycache__",
 
 def prepare(work, tests, deselect):
     """A copy of the project in `work` whose @torch.no_grad() functions are wrapped after their definition;
-    `tests`, when given, replace setup.cfg's test files there, and `deselect` leaves some out (node ids)."""
+    `tests`, when given, replace the configuration's test files there, and `deselect` leaves some out (node ids)."""
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(HERE, work, ignore=SKIP)
+    shutil.copy(os.path.join(HERE, "tests", "mutmut.cfg"), os.path.join(work, "setup.cfg"))  # where mutmut reads it
     if tests or deselect:
         with open(os.path.join(work, "setup.cfg")) as f:
             cfg = f.read()
@@ -75,7 +76,7 @@ def main():
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "vgrpo-mutation"),
                    help="scratch copy of the project, where mutmut keeps its mutants/ and results")
     p.add_argument("--max-children", type=int, default=1, help="mutants tested at once (2 cores: 1 leaves room)")
-    p.add_argument("--tests", nargs="+", help="test files or node ids instead of setup.cfg's (all must pass)")
+    p.add_argument("--tests", nargs="+", help="test files or node ids instead of tests/mutmut.cfg's (all must pass)")
     p.add_argument("--deselect", action="append", default=[], help="a test node id to leave out (repeatable)")
     p.add_argument("--survivors", action="store_true", help="only print the diffs of the last run's survivors")
     a = p.parse_args()

@@ -27,9 +27,11 @@ Choices, and why:
     of them keeps the rows equal to V-GRPO's). With one optimizer step per rollout, v_old on those rows is the
     update's own forward, detached: bit for bit what a no-grad pass with the sampling weights would give, the
     way V-GRPO's update takes s_old. So both cost S + N_MC forward rows per image.
- 4. On-policy, one optimizer step per iteration, like every method of the benchmark: the sampling (old)
-    policy is the current weights at each rollout, i.e. the paper's soft update of the old policy with its
-    coefficient at 0 (its schedule starts there). Then v_theta = v_old at the step and the gradient is
+ 4. The sampling (old) policy is the weights at each rollout, i.e. the paper's soft update of the old policy
+    with its coefficient at 0 (its schedule starts there). With several optimizer steps per rollout (the
+    benchmark's FLUX regime) v_old of the minibatches after the first comes from a no-grad pass with the
+    sampling weights before the first step (old_velocities), as V-GRPO's s_old does. In the one-step regime
+    v_theta = v_old at the step and the gradient is
     2 beta sum (2 r - 1) (v_old - v) dv/dtheta: beta only scales it, and AdamW's step is invariant to a constant
     scale except through its epsilon (1e-8), which matters for the many tiny gradients of the tiny model (after
     two steps the parameter changes for beta = 1 and 0.1 differ by about 19%). Swept: 1 and 0.1.
@@ -92,16 +94,30 @@ def rows(o, sigmas, eps, cond, idx):
     return x_t, o[idx].repeat_interleave(n, 0), sigmas[idx].flatten(), vgrpo.rows_of(cond, idx, n)
 
 
+@torch.no_grad()
+def old_velocities(family, model, batch, samples, micro_batch):
+    """The sampling policy's velocity on every row of `samples` (before any optimizer step) -> (B, N, *lat), NaN on
+    the other samples' rows: the v_old of the minibatches after the first when several steps follow one rollout."""
+    o, sig, n = batch["o"], batch["sigmas"], batch["sigmas"].shape[1]
+    out = torch.full(batch["eps"].shape, float("nan"))
+    for idx in samples.split(micro_batch):
+        x_t, _, s, c = rows(o, sig, batch["eps"], batch["cond"], idx)
+        out[idx] = family.velocity(model, x_t, s, c).float().view(len(idx), n, *o.shape[1:])
+    return out
+
+
 def nft_update(family, model, optimizer, params, batch, beta, micro_batch, max_grad_norm, weighting="adaptive"):
     """One optimizer step on DiffusionNFT's loss over every row, gradients accumulated over micro-batches.
-    batch: o (B, *lat), cond, r (B,), sigmas (B, N), eps (B, N, *lat). No step has been taken since the rollout,
-    so the sampling policy is the current weights and v_old is this forward's own value, detached (choice 3)."""
+    batch: o (B, *lat), cond, r (B,), sigmas (B, N), eps (B, N, *lat), and v_old (B, N, *lat) after a first step.
+    Without v_old no step has been taken since the rollout, so the sampling policy is the current weights and
+    v_old is this forward's own value, detached (choice 3)."""
     o, sig, B = batch["o"], batch["sigmas"], len(batch["o"])
     n, stats = sig.shape[1], {"loss_pos": [], "loss_neg": []}
     for idx in torch.arange(B).split(micro_batch):
         x_t, o_rows, s, c = rows(o, sig, batch["eps"], batch["cond"], idx)
         v = family.velocity(model, x_t, s, c)
-        loss, st = nft_loss(v, v.detach(), x_t, o_rows, s,
+        v_old = batch["v_old"][idx].flatten(0, 1) if "v_old" in batch else v.detach()
+        loss, st = nft_loss(v, v_old, x_t, o_rows, s,
                             batch["r"][idx].repeat_interleave(n), beta, weighting)
         (loss * len(idx) / B).backward()
         for k, value in st.items():

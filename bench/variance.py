@@ -1,6 +1,7 @@
 """Surrogate variance (item 1 of the benchmark): how much each variance reduction of V-GRPO removes.
 
-On the same rollouts of the tiny model, the ELBO surrogate s(o) is recomputed under R independent pair
+On the same rollouts of the pretrained digits model (the CPU demo's: a generator that follows its prompts partly,
+as the paper's SD3.5-M does), the ELBO surrogate s(o) is recomputed under R independent pair
 draws for five settings: naive (independent uniform pairs, plain MSE, FPO-style), then each reduction
 alone (group-shared pairs, stratified sigmas, adaptive weighting), then all three. Two statistics:
 
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import learning  # noqa: E402  (the tiny model, built as vgrpo builds it)
+import learning  # noqa: E402  (the models, loaded as vgrpo loads them)
 import vgrpo  # noqa: E402
 
 SETTINGS = {  # name: (pair sharing, stratified, weighting)
@@ -52,14 +53,14 @@ def measure(family, o, cond, sigmas, group_size, draws, n_mc, seed):
     return out
 
 
-def run(seeds=3, draws=16, n_prompts=4, group_size=8, out=None, family=None):
+def run(seeds=3, draws=16, n_prompts=4, group_size=8, out=None, family=None, steps=12):
     """Measure every setting over `seeds` rollouts; write the table (with its set-up line) to `out` -> text."""
-    family = family or learning.tiny_family()
-    sigmas = family.sigma_grid(10)
+    family = family or learning.digits_family()
+    sigmas = family.sigma_grid(steps)
+    train, _ = vgrpo.load_prompts(learning.DIGIT_PROMPTS.format("train"))
     rows = {name: [] for name in SETTINGS}
     for seed in range(seeds):
-        prompts = [vgrpo.DEFAULT_PROMPTS[(seed * n_prompts + i) % len(vgrpo.DEFAULT_PROMPTS)]
-                   for i in range(n_prompts) for _ in range(group_size)]
+        prompts = [train[(seed * n_prompts + i) * 7 % len(train)] for i in range(n_prompts) for _ in range(group_size)]
         cond = family.encode(prompts)
         noise = torch.randn(len(prompts), *family.latent_shape, generator=torch.Generator().manual_seed(seed))
         o = vgrpo.rollout(family, family.transformer, cond, noise, sigmas,
@@ -72,7 +73,7 @@ def run(seeds=3, draws=16, n_prompts=4, group_size=8, out=None, family=None):
         cv, gcv = torch.tensor(values).T
         spread = lambda t: f"{t.mean():.3f}" + (f" ± {t.std():.3f}" if len(t) > 1 else "")  # noqa: E731
         lines.append(f"| {name} | {spread(cv)} | {spread(gcv)} |")
-    text = (f"Tiny random SD3, N_MC = 4, 10-step grid, {n_prompts} prompts x {group_size} images, "
+    text = (f"Pretrained digits SD3 (digits/pipeline), N_MC = 4, {steps}-step grid, {n_prompts} prompts x {group_size} images, "
             f"{draws} pair draws, {seeds} seed(s) (mean ± std over seeds).\n\n" + "\n".join(lines) + "\n")
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -29,14 +29,14 @@ import torch
 
 import reward
 import vgrpo
-from test_rewards import _serve
+from tests.test_rewards import _serve
 
 CPU = torch.device("cpu")
 # AdamW's eps in these tests: near the gradients' size, so a step depends on the gradient's scale (with the
 # default 1e-8 Adam is scale-invariant and a missing 1/n in gradient accumulation would not show)
 ADAM_EPS = 1e-4
 SEED, IT = 7, 3  # not 0: a seed or iteration replaced by a constant 0 must show
-TINY = ["--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--n-mc", "2", "--seed", str(SEED)]
+TINY = ["--model", "tiny", "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--n-mc", "2", "--seed", str(SEED)]
 
 
 # --------------------------------------------------------------------------- helpers: the calls into vgrpo

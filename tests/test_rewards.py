@@ -748,7 +748,7 @@ def test_standin_cli_is_deterministic_and_idempotent(hub_cache, tmp_path, capsys
     rewrites nothing; a directory that holds a real download of one of the ids is refused."""
     import hashlib
 
-    import hub_standins
+    from tests import hub_standins
 
     def files(root):
         out = {}

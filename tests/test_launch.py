@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 import vgrpo
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 MAIN_COMMAND = "torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore"
 # The only flags the real-model runs add: they shrink the work (image side, ODE steps, iterations), nothing else.
 SHRINK = ["--resolution", "32", "--sample-steps", "4", "--iterations", "2"]
@@ -38,7 +38,7 @@ def find_launch_lines(text):
 
 
 def readme():
-    with open(os.path.join(HERE, "README.md")) as f:
+    with open(os.path.join(ROOT, "README.md")) as f:
         return f.read()
 
 
@@ -72,7 +72,7 @@ def test_every_launch_line_validates_for_its_world_size(where, line, tmp_path, m
     script = next(i for i, t in enumerate(tokens) if t.endswith("vgrpo.py"))
     argv = tokens[script + 1:]
     for folder in ("prompts", "docs"):  # what the line may name from the repository, run from its root
-        shutil.copytree(os.path.join(HERE, folder), tmp_path / folder)
+        shutil.copytree(os.path.join(ROOT, folder), tmp_path / folder)
     monkeypatch.chdir(tmp_path)
     for flag, value in zip(argv, argv[1:]):
         if flag in ("--prompts", "--eval-prompts") and not (tmp_path / value).exists():
@@ -101,20 +101,27 @@ def test_a_prompt_count_that_does_not_split_names_the_nearest_valid_ones(tmp_pat
 # --------------------------------------------------------------------------- model-dependent defaults
 
 
-def test_real_models_default_to_the_papers_recipe_and_tiny_ones_to_the_cpu_demo():
+def test_real_models_default_to_the_papers_recipe_and_the_digits_model_to_the_cpu_demo():
     sd3 = vgrpo.parse_args(["--model", "sd3"])
     paper_sd3 = dict(reward="pickscore", resolution=512, sampler="dpmpp2m", sample_steps=40, guidance=1.0,
                      prompts_per_step=48, group_size=24, n_mc=4, inner_steps=1, adv_soft_clip=3.0, lora_rank=32,
                      lora_alpha=64.0, lr=3e-4, full_finetune=False, mixed_precision="bf16",
                      gradient_checkpointing=True, iterations=150, clip_eps=0.01, beta=0.0)
     assert {k: getattr(sd3, k) for k in paper_sd3} == paper_sd3
-    assert os.path.abspath(sd3.prompts) == os.path.join(HERE, "prompts", "train.txt")
+    assert os.path.abspath(sd3.prompts) == os.path.join(ROOT, "prompts", "train.txt")
     # an SD3 pipeline given by id or folder gets the same recipe
     assert vgrpo.parse_args(["--model", "stabilityai/stable-diffusion-3.5-large"]).group_size == 24
     flux = vgrpo.parse_args(["--model", "flux"])
     assert (flux.reward, flux.resolution, flux.sample_steps, flux.guidance, flux.group_size, flux.inner_steps,
             flux.iterations, flux.mixed_precision) == ("hpsv2", 720, 16, 3.5, 12, 4, 300, "bf16")
-    tiny = vgrpo.parse_args([])
+    demo = vgrpo.parse_args([])   # the CPU demo: the pretrained digits model, a held-out evaluation
+    assert (demo.model, demo.reward, demo.resolution, demo.prompts_per_step, demo.group_size, demo.full_finetune,
+            demo.lr, demo.mixed_precision, demo.eval_every, demo.eval_rewards) == (
+        "digits", "digit", 16, 4, 8, False, 1e-3, "no", 20, "digit_correct,digit_knn,digit")
+    assert os.path.abspath(demo.prompts) == os.path.join(ROOT, "prompts", "digits_train.jsonl")
+    assert os.path.abspath(demo.eval_prompts) == os.path.join(ROOT, "prompts", "digits_eval.jsonl")
+    assert (sd3.eval_every, sd3.eval_prompts) == (0, "")   # real models: no evaluation unless asked
+    tiny = vgrpo.parse_args(["--model", "tiny"])
     assert (tiny.reward, tiny.resolution, tiny.prompts_per_step, tiny.group_size, tiny.full_finetune, tiny.lr,
             tiny.prompts, tiny.mixed_precision) == ("jpeg:100", 32, 4, 8, True, 2e-3, "", "no")
     assert vgrpo.parse_args(["--model", "tiny-flux"]).guidance == 3.5
@@ -135,8 +142,8 @@ def test_explicit_flags_win_over_presets_which_win_over_the_recipe(tmp_path):
 
 
 def test_the_shipped_prompt_set_is_large_varied_and_disjoint_from_the_held_out_one():
-    train, _ = vgrpo.load_prompts(os.path.join(HERE, "prompts", "train.txt"))
-    held_out, _ = vgrpo.load_prompts(os.path.join(HERE, "prompts", "eval.txt"))
+    train, _ = vgrpo.load_prompts(os.path.join(ROOT, "prompts", "train.txt"))
+    held_out, _ = vgrpo.load_prompts(os.path.join(ROOT, "prompts", "eval.txt"))
     assert len(train) >= 300 and len(set(train)) == len(train)
     assert not set(train) & set(held_out) and not set(train) & set(vgrpo.DEFAULT_PROMPTS)
     assert len({p.split()[-1] for p in train}) > len(train) // 4   # not one template with a word swapped
@@ -149,7 +156,7 @@ def launch(*args, nproc, cache, timeout=900, env=None, launcher=()):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "OMP_NUM_THREADS": "1",
                    "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(command + [*map(str, args)], env=environment, cwd=HERE, capture_output=True, text=True,
+    return subprocess.run(command + [*map(str, args)], env=environment, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -165,7 +172,7 @@ def test_the_main_command_trains_sd35_medium_on_8_processes_and_its_lora_loads_i
     out = tmp_path / "run"
     tokens = shlex.split(MAIN_COMMAND)
     assert tokens[:2] == ["torchrun", "--nproc_per_node=8"] and tokens[2] == "vgrpo.py"
-    result = launch(os.path.join(HERE, "vgrpo.py"), *tokens[3:], *SHRINK, "--output-dir", out, nproc=8, cache=hub_cache)
+    result = launch(os.path.join(ROOT, "vgrpo.py"), *tokens[3:], *SHRINK, "--output-dir", out, nproc=8, cache=hub_cache)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no --prompts given: training on the" in result.stdout            # the shipped set, said once
     config = json.loads((out / "config.json").read_text())
@@ -201,7 +208,7 @@ def test_the_main_command_trains_sd35_medium_on_8_processes_and_its_lora_loads_i
 @pytest.mark.slow
 def test_flux_dev_trains_with_a_clip_reward_on_2_processes_and_its_lora_loads_into_flux_pipeline(hub_cache, tmp_path):
     out = tmp_path / "run"
-    result = launch(os.path.join(HERE, "vgrpo.py"), "--model", "flux", "--reward", "clipscore", *SHRINK,
+    result = launch(os.path.join(ROOT, "vgrpo.py"), "--model", "flux", "--reward", "clipscore", *SHRINK,
                     "--prompts-per-step", "2", "--group-size", "4", "--inner-steps", "2", "--output-dir", out,
                     nproc=2, cache=hub_cache)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -229,7 +236,7 @@ def test_ranks_whose_model_files_differ_refuse_to_start(hub_cache, hub_cache_oth
     wrapper = tmp_path / "per_rank_cache.sh"
     wrapper.write_text(f'if [ "$RANK" = 1 ]; then export HF_HUB_CACHE="{hub_cache_other_seed}"; fi\n'
                        f'exec "{sys.executable}" "$@"\n')
-    result = launch(wrapper, os.path.join(HERE, "vgrpo.py"), "--model", "sd3", "--reward", "jpeg", *SHRINK,
+    result = launch(wrapper, os.path.join(ROOT, "vgrpo.py"), "--model", "sd3", "--reward", "jpeg", *SHRINK,
                     "--prompts-per-step", "2", "--group-size", "2", "--output-dir", tmp_path / "run",
                     nproc=2, cache=hub_cache, launcher=["--no-python", "bash"], timeout=300)
     assert result.returncode != 0
@@ -275,7 +282,8 @@ def test_report_to_tensorboard_and_wandb_writes_what_metrics_jsonl_has(tmp_path)
 
     out = tmp_path / "run"
     (tmp_path / "eval.txt").write_text("a red cube\na blue sphere\n")
-    p = subprocess.run([sys.executable, os.path.join(HERE, "vgrpo.py"), "--iterations", "2", "--sample-steps", "4",
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "vgrpo.py"), "--model", "tiny", "--iterations", "2",
+                        "--sample-steps", "4",
                         "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", tmp_path / "eval.txt",
                         "--eval-every", "2", "--report-to", "tensorboard,wandb", "--output-dir", out],
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",

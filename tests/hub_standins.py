@@ -1,6 +1,6 @@
 """Offline stand-ins for every model vgrpo and reward.py load by name, written in the Hugging Face cache layout.
 
-    python hub_standins.py /tmp/hub                   # 5-15 s on a CPU, 11 MB
+    python tests/hub_standins.py /tmp/hub             # 5-15 s on a CPU, 11 MB
     HF_HUB_CACHE=/tmp/hub HF_HUB_OFFLINE=1 python vgrpo.py --model sd3 --reward pickscore --mixed-precision no \
         --resolution 64 --sample-steps 4 --prompts-per-step 2 --group-size 4 --iterations 2
 
@@ -28,10 +28,13 @@ import shutil
 import tempfile
 import time
 
+import sys
+
 import torch
 
-import reward
-from vgrpo import MODEL_IDS, write_byte_tokenizer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, when run as a script
+import reward  # noqa: E402
+from vgrpo import MODEL_IDS, write_byte_tokenizer  # noqa: E402
 
 BYTE_VOCAB = 514          # write_byte_tokenizer: 256 bytes, the same + </w>, <|startoftext|> 512, <|endoftext|> 513
 CLIP_CONTEXT = 77         # every real CLIP text encoder reads 77 tokens; SD3 and FLUX rely on it

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "bench"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
 import mdp_baseline as mdp  # noqa: E402
@@ -191,50 +191,64 @@ def test_mixed_rollout_is_the_euler_ode_outside_the_window_and_the_sde_inside():
 # --------------------------------------------------------------------------- the headline table
 
 
-def made_up_run(seed, curves, targets):
+def made_up_run(seed, curves, targets, inner_steps=1):
     """A run file as learning.py writes it: each method trains 1 s and 224 rows per iteration."""
-    return {"seed": seed, "setup": {"iterations": 10, "eval_every": 2, "eval_dense": 0},
+    return {"seed": seed, "setup": {"iterations": 10, "eval_every": 2, "eval_dense": 0, "inner_steps": inner_steps},
             "methods": {kind: {"settings": {"kind": kind, "name": kind, "lr": 1e-3, "target_gain": targets[kind]},
-                               "eval": ev, "train": [dict(nfe=224, time_rollout=0.5, time_reward=0.1, time_old=0.0,
-                                                          time_update=0.4)] * ev[-1][0]}
+                               "eval": ev, "check": [(it, 0.5) for it, _ in ev],
+                               "train": [dict(nfe=224, time_rollout=0.5, time_reward=0.1, time_old=0.0,
+                                              time_update=0.4)] * 10}
                         for kind, ev in curves.items()}}
 
 
 def test_headline_ratios_by_hand():
-    b, targets = -0.9, {"V-GRPO": 0.04, "DiffusionNFT": 0.04, "MixGRPO": 0.02}
-    runs = [made_up_run(1, {"V-GRPO": [(0, b), (2, b + 0.025), (4, b + 0.05)],       # 0.02 at 2, 0.04 at 4
-                            "DiffusionNFT": [(0, b), (4, b + 0.02), (8, b + 0.041)],   # 0.04 at 8
-                            "MixGRPO": [(0, b), (10, b + 0.01)]}, targets),             # never in 10
-            made_up_run(2, {"V-GRPO": [(0, b), (2, b + 0.04)],                          # both at 2
-                            "DiffusionNFT": [(0, b), (6, b + 0.04)],                    # 0.04 at 6
-                            "MixGRPO": [(0, b), (2, b + 0.01), (4, b + 0.02)]}, targets)]   # 0.02 at 4
+    b = 0.3
+    targets = {"V-GRPO": 0.0399, "DiffusionNFT": 0.0399, "MixGRPO": 0.0199, "MDP": 0.0199, "naive ELBO": 0.0399}
+    flat = [(0, b), (10, b + 0.01)]                                                  # never reaches anything
+    runs = [made_up_run(1, {"V-GRPO": [(0, b), (2, b + 0.025), (4, b + 0.05), (10, b + 0.05)],  # 0.02 at 2, 0.04 at 4
+                            "DiffusionNFT": [(0, b), (4, b + 0.02), (8, b + 0.041), (10, b)],   # 0.04 at 8
+                            "MixGRPO": flat, "MDP": flat, "naive ELBO": flat}, targets),
+            made_up_run(2, {"V-GRPO": [(0, b), (2, b + 0.04), (10, b)],                         # both at 2
+                            "DiffusionNFT": [(0, b), (6, b + 0.04), (10, b)],                   # 0.04 at 6
+                            "MixGRPO": [(0, b), (2, b + 0.01), (4, b + 0.02), (10, b)],         # 0.02 at 4
+                            "MDP": flat, "naive ELBO": flat}, targets)]
     assert bench_run.reaching(runs[0]["methods"]["DiffusionNFT"], 0.04)[0] == (8, 8 * 224, pytest.approx(8.0))
     assert bench_run.reaching(runs[0]["methods"]["MixGRPO"], 0.02) == (None, (10, 2240, pytest.approx(10.0)))
+    # with 4 optimizer steps per rollout, 8 iterations are 32 gradient steps
+    assert bench_run.reaching(runs[0]["methods"]["DiffusionNFT"], 0.04, 4)[0][0] == 32
     sweep = {"setup": {"iterations": 4, "eval_every": 2}, "methods": {
-        k: {"settings": {"kind": k, "lr": 1e-3}, "eval": [(0, b), (2, b + 0.1)]} for k in bench_run.HEADLINE_KINDS}}
+        k: {"settings": {"kind": k, "lr": 1e-3}, "eval": [(0, b), (2, b + 0.1)], "check": [(0, b), (2, b + 0.05)]}
+        for k in bench_run.HEADLINE_KINDS}}
+    table = bench_run.headline_table(sweep, runs, "one-step")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in bench_run.headline_table(sweep, runs).splitlines()
+            for line in table.split("### Time to")[1].split("### At the cap")[0].splitlines()
             if line.startswith("| ") and line.split("|")[1].strip() in bench_run.HEADLINE_KINDS}
-    assert set(rows) == {"DiffusionNFT", "MixGRPO"}                     # one row per baseline, V-GRPO in each
+    assert set(rows) == set(bench_run.HEADLINE_KINDS[1:])               # one row per baseline, V-GRPO in each
     # NFT at 0.04: 8 / 4 and 6 / 2 -> 2 and 3, mean 2.5 ± 0.5
-    assert rows["DiffusionNFT"][:7] == ["+0.0400", "lr 0.001, beta 1; lr 0.001", "2/2; 2/2", "8 / 6; 4 / 2",
+    assert rows["DiffusionNFT"][:7] == ["+0.040", "lr 0.001, beta 1; lr 0.001", "2/2; 2/2", "8 / 6; 4 / 2",
                                         "1,792 / 1,344; 896 / 448", "8 / 6; 4 / 2", "2.50 ± 0.50 (2.00 / 3.00)"]
-    # MixGRPO at 0.02 (V-GRPO reaches it at 2 in both seeds): > 10 / 2 (a lower bound) and 4 / 2
-    assert rows["MixGRPO"][2:4] == ["1/2; 2/2", "> 10 / 4; 2 / 2"]
-    # a lower bound enters no mean: the mean is over the one seed that reached the target
-    assert rows["MixGRPO"][6] == "2.00 ± 0.00 on the 1 of 2 seeds reached (> 5.00 / 2.00)"
-    assert rows["MixGRPO"][9] == "2.00 ± 0.00 on the 1 of 2 seeds reached (> 5.00 / 2.00), x 1.00 per iteration"
-    assert bench_run.ratio_cell([5.0, 3.0], [True, True]) == "> 3.00 (never reached: > 5.00 / > 3.00)"
+    # MixGRPO at 0.02 (V-GRPO reaches it at 2 in both seeds): a failure on seed 1, 4 / 2 on seed 2
+    assert rows["MixGRPO"][2:4] == ["1/2; 2/2", "failed / 4; 2 / 2"]
+    # a failure enters no mean and is shown as one, never as a ratio or a bound
+    assert rows["MixGRPO"][6] == "2.00 ± 0.00 on the 1 of 2 seeds reached (failed / 2.00)"
+    assert rows["MixGRPO"][9] == "2.00 ± 0.00 on the 1 of 2 seeds reached (failed / 2.00), x 1.00 per iteration"
+    assert rows["MDP"][6] == "never reached (failed / failed)"
+    assert bench_run.ratio_cell([5.0, 3.0], [True, True]) == "never reached (failed / failed)"
+    # at the cap: each method's final accuracy and gain per seed, and the k-NN check's
+    cap = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+           for line in table.split("### At the cap")[1].splitlines() if line.startswith("| ") and "---" not in line}
+    assert cap["V-GRPO"] == ["0.350 / 0.300", "+0.025 ± 0.025", "0.500 / 0.500", "+0.000 ± 0.000"]
+    assert "| **V-GRPO** | 0.400 | +0.050 | +0.025 |" in table             # the sweep row: score, gains (last two)
 
 
 def test_run_quick_writes_every_result(tmp_path):
     out = tmp_path / "bench"
-    p = subprocess.run([sys.executable, os.path.join(HERE, "bench", "run.py"), "--quick", "--out", str(out)],
-                       env=ENV, cwd=HERE, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--out", str(out)],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     for name in ("variance.md", "learning.md", "learning.png", "cost.md", "learning/jpeg-0.json",
-                 "learning/colour-0.json", "headline.md", "headline.png", "headline/sweep.json",
-                 "headline/seed-1.json"):
+                 "learning/colour-0.json", "headline.md", "headline-one-step.png", "headline-multi-step.png",
+                 "headline/one-step/sweep.json", "headline/one-step/seed-1.json", "headline/multi-step/seed-1.json"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     learning_md = (out / "learning.md").read_text()
@@ -247,12 +261,18 @@ def test_run_quick_writes_every_result(tmp_path):
         assert math.isfinite(final) and -2 < final < 0                 # both rewards are negative, above -sqrt(3)
     assert "V-GRPO 0.0e+00" in learning_md                              # V-GRPO's first ratio is exactly 1
     headline_md = (out / "headline.md").read_text()
-    assert (out / "headline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for kind in ("DiffusionNFT", "MixGRPO"):
-        assert headline_md.count(f"| {kind} | +") == 1, kind            # one row per baseline in the timing table
-    assert headline_md.count("| MixGRPO lr") + headline_md.count("| **MixGRPO lr") == 2   # w = 2 and w = 1 swept
-    assert headline_md.count("DiffusionNFT lr") == 2                    # beta 1 and 0.1
-    assert headline_md.count("| **") == 3                               # one chosen setting per method
+    assert (out / "headline-one-step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert headline_md.count("## ") - headline_md.count("### ") == 2    # both regimes
+    for kind in bench_run.HEADLINE_KINDS[1:]:
+        assert headline_md.count(f"| {kind} | +") == 2, kind            # one row per baseline and regime
+    for kind in bench_run.HEADLINE_KINDS:
+        assert headline_md.count(f"| {kind} | 0.") + headline_md.count(f"| {kind} | 1.") == 2, kind   # at the cap
+    assert headline_md.count("| MixGRPO lr") + headline_md.count("| **MixGRPO lr") == 4   # w = 2 and 1, twice
+    assert headline_md.count("DiffusionNFT lr") == 4                    # beta 1 and 0.1, in each regime
+    assert headline_md.count("| **") == 10                              # one chosen setting per method and regime
+    multi = json.loads((out / "headline" / "multi-step" / "seed-1.json").read_text())
+    assert multi["setup"]["inner_steps"] == 4 and all(len(m["train"]) == 2 for m in multi["methods"].values())
+    assert multi["methods"]["V-GRPO"]["train"][0]["time_old"] > 0       # several steps: an old-surrogate pass
     cost_md = (out / "cost.md").read_text()
     ratios = [float(c.strip().rstrip("x")) for line in cost_md.splitlines() for c in line.split("|")
               if c.strip().endswith("x") and c.strip()[:-1].replace(".", "").isdigit()]
@@ -260,6 +280,7 @@ def test_run_quick_writes_every_result(tmp_path):
     assert "max |difference| 0.00e+00" in cost_md                      # Euler rollout == the diffusers pipeline
     variance_md = (out / "variance.md").read_text()
     assert variance_md.count("\n| ") == 7                              # header, rule, 5 settings
+    assert variance_md.startswith("Pretrained digits SD3")
     rows = {line.split("|")[1].strip(): [float(c.split("±")[0]) for c in line.split("|")[2:4]]
             for line in variance_md.splitlines()
             if line.startswith("| ") and "---" not in line and "setting" not in line}
@@ -286,8 +307,8 @@ def test_gpu_bench_quick_mode(tmp_path):
         assert 2 * sum(t.numel() for t in [*model.parameters(), *model.buffers()]) == pytest.approx(size, rel=0.01)
 
     out = tmp_path / "gpu.md"
-    p = subprocess.run([sys.executable, os.path.join(HERE, "bench", "gpu.py"), "--quick", "--out", str(out)],
-                       env=ENV, cwd=HERE, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--quick", "--out", str(out)],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     md, data = out.read_text(), json.loads((tmp_path / "gpu.json").read_text())
     assert "**Not run on a GPU.**" in md and not data["gpu"] and data["dtype"] == "float32"

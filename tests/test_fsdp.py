@@ -18,16 +18,16 @@ from safetensors.torch import load_file
 
 import vgrpo
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-SMALL = ["--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "2", "--n-mc", "2",
+SMALL = ["--model", "tiny", "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "2", "--n-mc", "2",
          "--sample-batch", "2", "--sample-every", "100", "--save-every", "1"]
 pytestmark = pytest.mark.slow
 
 
 def torchrun(*args, nproc=2):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                        os.path.join(HERE, "vgrpo.py"), *SMALL, *map(str, args)], env=ENV, cwd=HERE,
+                        os.path.join(ROOT, "vgrpo.py"), *SMALL, *map(str, args)], env=ENV, cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -113,7 +113,7 @@ def test_the_sharded_checkpoint_loads_into_diffusers_and_reproduces_the_trained_
     pipe = vgrpo.build_tiny_sd3_pipeline()
     pipe.transformer = SD3Transformer2DModel.from_pretrained(os.path.join(fsdp, "checkpoint-2", "transformer"))
     family = vgrpo.SD3Family(pipe, 32, 8, torch.device("cpu"))
-    args = vgrpo.Args(sample_steps=4, sample_batch=2)
+    args = vgrpo.Args(model="tiny", sample_steps=4, sample_batch=2)
     prompts, _ = vgrpo.load_prompts(brightness_reward[1])
     values = []
     for i, prompt in enumerate(prompts):
@@ -144,7 +144,7 @@ DTYPES_UNDER_FSDP = """
 import json, sys, torch, torch.distributed as dist
 import vgrpo
 dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
-args, device = vgrpo.Args(fsdp=True, mixed_precision="bf16", n_mc=2), torch.device("cpu")
+args, device = vgrpo.Args(model="tiny", fsdp=True, mixed_precision="bf16", n_mc=2), torch.device("cpu")
 family = vgrpo.load_family(args, device)
 vgrpo.add_trainable_weights(family, args)
 model = vgrpo.wrap_for_training(family, args, 1, device)
@@ -171,7 +171,7 @@ def test_fsdp_in_bf16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in saved.items())
     m = metrics(tmp_path)[0]
     assert m["skipped_steps"] == 0 and m["grad_norm"] > 0
-    p = subprocess.run([sys.executable, "-c", DTYPES_UNDER_FSDP, str(tmp_path / "group")], env=ENV, cwd=HERE,
+    p = subprocess.run([sys.executable, "-c", DTYPES_UNDER_FSDP, str(tmp_path / "group")], env=ENV, cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.splitlines()[-1]) == {"compute": "torch.bfloat16", "master": "torch.float32",

@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture(scope="session")
 def hub_cache(tmp_path_factory):
     """A Hugging Face cache directory (str) holding every stand-in with seed 0, built once per session (~5 s, 11 MB)."""
-    import hub_standins
+    from tests import hub_standins
 
     return hub_standins.build_hub_cache(str(tmp_path_factory.mktemp("hub_seed0")), seed=0)
 
@@ -19,7 +19,7 @@ def hub_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hub_cache_other_seed(tmp_path_factory):
     """The same stand-ins built with seed 1 (other weights, same architectures); built only if a test asks."""
-    import hub_standins
+    from tests import hub_standins
 
     return hub_standins.build_hub_cache(str(tmp_path_factory.mktemp("hub_seed1")), seed=1)
 

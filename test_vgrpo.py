@@ -660,7 +660,7 @@ def test_jsonl_metadata_reaches_rewards_and_evaluation_is_deterministic(tmp_path
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--model", "nonsense"], "unknown model 'nonsense'"),
+    (["--model", "nonsense"], "--model nonsense: no such folder, and not a Hugging Face id"),
     (["--reward", "nope"], "unknown reward 'nope'"),
     (["--sampler", "heun"], "unknown sampler 'heun'"),
     (["--group-size", "1"], "--group-size must be at least 2"),
@@ -833,7 +833,7 @@ def test_reward_with_the_wrong_shape_is_named(tmp_path, faulty):
     p = run_script(*FAST, "--reward", f"jpeg,{faulty}:wrong_shape", "--output-dir", tmp_path)
     assert p.returncode == 1
     assert p.stderr.strip().splitlines()[-1] == (f"vgrpo: error: reward '{faulty}:wrong_shape' returned Tensor (8, 2), "
-                                                 "expected a float tensor of shape (8,)")
+                                                 "expected one number per image: a tensor, array or list of shape (8,)")
 
 
 def lines_in(path):
@@ -947,7 +947,8 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
         (["--prompts", tmp_path / "latin1.txt"], "line 3: not UTF-8"),
         (["--prompts", tmp_path / "blank.txt"], "has no prompts"),
         (["--output-dir", tmp_path / "a_file" / "out"], "is not writable"),
-        (["--resume", short_run[0] / "checkpoint-3", "--no-full-finetune", "--lora-rank", "8", "--iterations", "4"],
+        (["--resume", short_run[0] / "checkpoint-3", "--model", "tiny", "--no-full-finetune", "--lora-rank", "8",
+          "--iterations", "4"],
          "belongs to a different configuration: --lora-rank 32 there, 8 here"),
         (["--prompts", tmp_path / "bad.jsonl"], 'line 2: expected an object with a "prompt" string'),
         (["--eval-every", "2"], "--eval-every needs --eval-prompts"),

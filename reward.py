@@ -469,6 +469,284 @@ def load_digit_knn(device, dtype=None):
     return digit_reward("knn", DigitJudge.load())
 
 
+# --------------------------------------------------------------------------- GenEval (compositional prompts)
+# GenEval (Ghosh et al. 2023) scores an image against its prompt's metadata ({"tag", "include", "exclude"}) with an
+# object detector and a CLIP colour classifier. Here both run in-process on transformers alone: Mask2Former Swin-S
+# trained on COCO instances (the architecture of GenEval's mmdetection model; its weights are the original authors'
+# training, not mmdetection's, so scores are close to the official ones, not equal) and CLIP ViT-L/14 (the same
+# OpenAI weights as GenEval's open_clip model). GenEval's rules are written below from its evaluation code.
+
+GENEVAL_DETECTOR = "facebook/mask2former-swin-small-coco-instance"
+GENEVAL_CLIP = "openai/clip-vit-large-patch14"
+# the 80 COCO classes in the detector's index order, under the names GenEval's prompts use
+GENEVAL_CLASSES = (
+    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
+    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow", "elephant",
+    "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee", "skis", "snowboard",
+    "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard", "tennis racket", "bottle",
+    "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple", "sandwich", "orange", "broccoli",
+    "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch", "potted plant", "bed", "dining table", "toilet",
+    "tv", "laptop", "computer mouse", "tv remote", "computer keyboard", "cell phone", "microwave", "oven", "toaster",
+    "sink", "refrigerator", "book", "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush")
+GENEVAL_COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
+COLOR_TEMPLATES = ("a photo of a {color} {object}", "a photo of a {color}-colored {object}",
+                   "a photo of a {color} object")
+DETECTION_THRESHOLD, COUNTING_THRESHOLD, MAX_OBJECTS, POSITION_SHRINK = 0.3, 0.9, 16, 0.1
+
+
+def geneval_objects(detections, tag):
+    """Detections [(class name, score, box, mask)] -> {class: [(box, mask), ...]}: per class those scoring above 0.3
+    (0.9 for the counting tag), best first, at most 16, with no non-maximum suppression (GenEval's settings)."""
+    threshold = COUNTING_THRESHOLD if tag == "counting" else DETECTION_THRESHOLD
+    objects = {}
+    for name, score, box, mask in sorted(detections, key=lambda d: -d[1]):
+        if score > threshold and len(objects.setdefault(name, [])) < MAX_OBJECTS:
+            objects[name].append((box, mask))
+    return {name: found for name, found in objects.items() if found}
+
+
+def relative_position(a, b):
+    """GenEval's relations of box a to box b ([x0, y0, x1, y1], y down): the centre offset a - b shrunk, per axis, by
+    0.1 x the two boxes' summed size (clamped at 0), divided by the unshrunk offset's length; 'left of' / 'right of'
+    where its x is below -0.5 / above 0.5, 'above' / 'below' for y. Boxes that (nearly) coincide have no relation."""
+    centre = lambda box: ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2)  # noqa: E731
+    (ax, ay), (bx, by) = centre(a), centre(b)
+    offset = (ax - bx, ay - by)
+    size = (abs(a[2] - a[0]) + abs(b[2] - b[0]), abs(a[3] - a[1]) + abs(b[3] - b[1]))
+    shrunk = [math.copysign(max(abs(o) - POSITION_SHRINK * s, 0.0), o) for o, s in zip(offset, size)]
+    if all(abs(v) < 1e-3 for v in shrunk):
+        return set()
+    length = math.hypot(*offset)
+    dx, dy = shrunk[0] / length, shrunk[1] / length
+    return ({"left of"} if dx < -0.5 else set()) | ({"right of"} if dx > 0.5 else set()) | \
+        ({"above"} if dy < -0.5 else set()) | ({"below"} if dy > 0.5 else set())
+
+
+def geneval_rules(metadata, objects, colours_of):
+    """GenEval's verdict on one image -> (correct, partial).
+
+    metadata: {"tag", "include": [{"class", "count", "color"?, "position"?: [relation, j]}], "exclude": [...]}.
+    objects: geneval_objects' {class: [(box, mask), ...]}; colours_of(class, found) -> a colour name per object.
+    correct is GenEval's own score (geneval_correct); partial the score Flow-GRPO's reward server trains on
+    (geneval_partial_score)."""
+    return geneval_correct(metadata, objects, colours_of), geneval_partial_score(metadata, objects, colours_of)
+
+
+def geneval_correct(metadata, objects, colours_of):
+    """GenEval's evaluation: True when every include clause finds at least its `count` objects (the best `count`
+    of its class), when it names a colour at least `count` of those have it, when it names a position [relation, j]
+    each of them stands in that relation to every object of clause j (which must itself have held), and no exclude
+    clause finds `count` or more."""
+    correct, matched = True, []
+    for clause in metadata.get("include", []):
+        found = objects.get(clause["class"], [])[:clause["count"]]
+        ok = len(found) >= clause["count"]
+        if ok and "color" in clause:
+            ok = colours_of(clause["class"], found).count(clause["color"]) >= clause["count"]
+        if ok and "position" in clause:
+            relation, target = clause["position"]
+            anchors = matched[target]
+            ok = anchors is not None and all(relation in relative_position(box, other)
+                                             for box, _ in found for other, _ in anchors)
+        correct = correct and ok
+        matched.append(found if ok else None)
+    return correct and all(len(objects.get(c["class"], [])) < c["count"] for c in metadata.get("exclude", []))
+
+
+def geneval_partial_score(metadata, objects, colours_of):
+    """The partial credit of Flow-GRPO's GenEval reward server, term for term (so that training runs compare): for
+    each include clause, 1 - |count - found| / count over all the detections of its class (negative past twice the
+    count); then, if it names a colour or a position, one more term: 0 when the count is not exact, else for a colour
+    1 - |count - right colours| / count, for a position 0 when clause j did not hold exactly, else 1, preceded by a 0
+    when some object is not in the relation (the server's loop appends both). The mean of the terms; exclude
+    clauses do not count. A clause holds exactly when its count is exact and its colour or position checks pass."""
+    terms, matched = [], []
+    for clause in metadata.get("include", []):
+        found, count = objects.get(clause["class"], []), clause["count"]
+        terms.append(1 - abs(count - len(found)) / count)
+        ok = len(found) == count
+        if not ok:
+            terms += [0.0] if "color" in clause or "position" in clause else []
+        elif "color" in clause:
+            right = colours_of(clause["class"], found).count(clause["color"])
+            terms.append(1 - abs(count - right) / count)
+            ok = right == count
+        if ok and "position" in clause:
+            relation, target = clause["position"]
+            if matched[target] is None:
+                ok = False
+                terms.append(0.0)
+            else:
+                ok = all(relation in relative_position(box, other) for box, _ in found for other, _ in matched[target])
+                terms += [1.0] if ok else [0.0, 1.0]
+        matched.append(found if ok else None)
+    return sum(terms) / len(terms) if terms else 0.0
+
+
+def detector_input(images, scale=(1333, 800), divisor=32):
+    """(B, 3, H, W) in [0, 1] -> (pixel values (B, 3, H', W') padded to a multiple of `divisor`, (h, w) resized): as
+    GenEval's detector reads an image: the uint8 picture resized keeping its aspect ratio to fit `scale` (bilinear,
+    no antialiasing, rounded to uint8, as OpenCV), ImageNet's mean and std, zero padding at the bottom and right."""
+    x = (images.detach().float().clamp(0, 1) * 255).round()
+    h, w = x.shape[-2:]
+    factor = min(max(scale) / max(h, w), min(scale) / min(h, w))
+    size = (int(h * factor + 0.5), int(w * factor + 0.5))
+    if size != (h, w):
+        x = torch.nn.functional.interpolate(x, size=size, mode="bilinear", align_corners=False).clamp(0, 255).round()
+    mean = torch.tensor([123.675, 116.28, 103.53], device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor([58.395, 57.12, 57.375], device=x.device).view(1, 3, 1, 1)
+    x = (x - mean) / std
+    pad = (-size[1] % divisor, -size[0] % divisor)
+    return torch.nn.functional.pad(x, (0, pad[0], 0, pad[1])), size
+
+
+def mask2former_detections(class_logits, mask_logits, resized, image_size, top_k=100):
+    """One image's Mask2Former outputs -> [(class index, score, box, mask)] as GenEval's detector post-processes them.
+
+    class_logits (Q, C + 1), the last the no-object class; mask_logits (Q, h, w) at a quarter of the padded input.
+    The top_k (query, class) pairs by class probability; each mask's logits upsampled to the padded input, cropped
+    to the resized image, resized to the image (bilinear) and thresholded at 0; score = class probability x the mean
+    mask probability inside the mask; box = [x min, y min, x max + 1, y max + 1] of the mask (zeros if empty)."""
+    probs = class_logits.float().softmax(-1)[:, :-1]
+    n_classes = probs.shape[1]
+    scores, flat = probs.flatten().topk(min(top_k, probs.numel()))
+    queries, labels = flat // n_classes, flat % n_classes
+    padded = (mask_logits.shape[-2] * 4, mask_logits.shape[-1] * 4)
+    logits = torch.nn.functional.interpolate(mask_logits[queries][:, None].float(), size=padded, mode="bilinear",
+                                             align_corners=False)[:, :, :resized[0], :resized[1]]
+    logits = torch.nn.functional.interpolate(logits, size=image_size, mode="bilinear", align_corners=False)[:, 0]
+    masks = logits > 0
+    mask_score = (logits.sigmoid() * masks).flatten(1).sum(1) / (masks.flatten(1).sum(1) + 1e-6)
+    # the boxes of all masks at once and one transfer to the host (per-mask .item() calls would sync 400 times)
+    rows, cols = masks.any(2), masks.any(1)                                      # (K, H), (K, W)
+    y0, y1 = _first_and_last(rows)
+    x0, x1 = _first_and_last(cols)
+    boxes = torch.stack([x0, y0, x1 + 1, y1 + 1], 1).masked_fill(~rows.any(1, keepdim=True), 0)
+    return [(label, score, tuple(box), mask) for label, score, box, mask in
+            zip(labels.tolist(), (scores * mask_score).tolist(), boxes.tolist(), masks)]
+
+
+def _first_and_last(flags):
+    """(K, N) booleans -> (first, last) index of a True in each row (N and -1 where there is none)."""
+    index = torch.arange(flags.shape[1], device=flags.device)
+    return torch.where(flags, index, flags.shape[1]).amin(1), torch.where(flags, index, -1).amax(1)
+
+
+class GenEval:
+    """GenEval's judge, in-process: a Mask2Former detector and a CLIP colour classifier, any device and dtype."""
+
+    def __init__(self, detector, clip, clip_processor, device, dtype=torch.float32):
+        self.detector = detector.to(device, dtype).eval().requires_grad_(False)
+        self.clip = clip.to(device, dtype).eval().requires_grad_(False)
+        self.processor, self.device, self.dtype = clip_processor, device, dtype
+        self.colour_classifiers = {}   # class name -> (10, D) normalised text embeddings, one per colour
+        self.last = None               # (images, metadata, verdict) of the last call
+
+    @torch.no_grad()
+    def colour_classifier(self, name):
+        if name not in self.colour_classifiers:
+            texts = [t.format(color=c, object=name) for c in GENEVAL_COLORS for t in COLOR_TEMPLATES]
+            tokens = self.processor.tokenizer(texts, padding=True, return_tensors="pt").to(self.device)
+            emb = _features(self.clip.get_text_features(**tokens)).float()
+            emb = emb / emb.norm(dim=-1, keepdim=True)
+            emb = emb.view(len(GENEVAL_COLORS), len(COLOR_TEMPLATES), -1).mean(1)
+            self.colour_classifiers[name] = emb / emb.norm(dim=-1, keepdim=True)
+        return self.colour_classifiers[name]
+
+    @torch.no_grad()
+    def colours(self, picture, name, found):
+        """The colour of each found object: its mask pasted on a #999 background, cropped to its box, classified by
+        CLIP zero-shot over GenEval's 10 colours (its 3 templates averaged per colour)."""
+        crops = []
+        for (x0, y0, x1, y1), mask in found:
+            pasted = torch.where(mask[None].to(picture.device), picture, torch.full_like(picture, 153 / 255))
+            crop = pasted[:, int(y0):max(int(y1), int(y0) + 1), int(x0):max(int(x1), int(x0) + 1)]
+            crops.append(clip_pixel_values(crop[None], self.processor.image_processor))
+        img = _features(self.clip.get_image_features(pixel_values=torch.cat(crops).to(self.device, self.dtype)))
+        img = img.float() / img.float().norm(dim=-1, keepdim=True)
+        return [GENEVAL_COLORS[i] for i in (img @ self.colour_classifier(name).T).argmax(1).tolist()]
+
+    @torch.no_grad()
+    def judge(self, images, metadata):
+        """-> (correct (B,), partial (B,)) float tensors: geneval_rules on each image and its metadata. The last
+        verdict is kept, so that geneval and geneval_partial in one spec detect each image once."""
+        if self.last is not None and self.last[0] is images and self.last[1] == metadata:
+            return self.last[2]
+        if not all(meta and "include" in meta for meta in metadata):
+            raise RewardError("reward 'geneval' needs GenEval metadata for every prompt (a .jsonl prompt file "
+                              'whose lines hold "tag", "include" and "exclude", as prompts/geneval_train.jsonl)')
+        correct, partial = [], []
+        for image, meta, found in zip(images, metadata, self.detect(images)):
+            objects = geneval_objects([(GENEVAL_CLASSES[c], s, b, m) for c, s, b, m in found], meta.get("tag"))
+            picture = (image.detach().to(self.device, torch.float32).clamp(0, 1) * 255).round() / 255
+            asked = {}  # both rules ask about the best n objects of a class: classify their colours once
+
+            def colours_of(name, objs):
+                if (name, len(objs)) not in asked:
+                    asked[name, len(objs)] = self.colours(picture, name, objs)
+                return asked[name, len(objs)]
+
+            ok, credit = geneval_rules(meta, objects, colours_of)
+            correct.append(float(ok))
+            partial.append(credit)
+        self.last = (images, metadata, (torch.tensor(correct), torch.tensor(partial)))
+        return self.last[2]
+
+    @torch.no_grad()
+    def detect(self, images, batch_size=8):
+        """(B, 3, H, W) -> each image's mask2former_detections, lazily: batch_size images per detector pass, so
+        that only one batch's masks (100 per image at the image's size) are alive at a time."""
+        for start in range(0, len(images), batch_size):
+            pixels, resized = detector_input(images[start:start + batch_size].to(self.device))
+            out = self.detector(pixel_values=pixels.to(self.dtype))
+            yield from [mask2former_detections(c, m, resized, tuple(images.shape[-2:]))
+                        for c, m in zip(out.class_queries_logits, out.masks_queries_logits)]
+
+
+_GENEVAL = {}  # (device, dtype) -> GenEval: geneval and geneval_partial in one run share the models
+
+
+def load_geneval_judge(device, dtype=None):
+    key = (str(device), dtype)
+    if key not in _GENEVAL:
+        from transformers import CLIPModel, CLIPProcessor, Mask2FormerForUniversalSegmentation
+
+        try:
+            detector = Mask2FormerForUniversalSegmentation.from_pretrained(GENEVAL_DETECTOR)
+            clip, processor = CLIPModel.from_pretrained(GENEVAL_CLIP), CLIPProcessor.from_pretrained(GENEVAL_CLIP)
+        except (OSError, ValueError) as e:
+            raise RewardError(f"reward 'geneval' needs {GENEVAL_DETECTOR} and {GENEVAL_CLIP}, which could not be "
+                              f"loaded ({type(e).__name__}); `hf download {GENEVAL_DETECTOR}` and "
+                              f"`hf download {GENEVAL_CLIP}` first") from None
+        except ImportError as e:
+            raise RewardError(f"reward 'geneval' needs {e.name or 'scipy'} (transformers' Mask2Former imports it): "
+                              "pip install scipy") from None
+        _GENEVAL[key] = GenEval(detector, clip, processor, device, dtype or torch.float32)
+    return _GENEVAL[key]
+
+
+def geneval_reward(judge, partial):
+    def fn(images, prompts, metadata=None):
+        correct, credit = judge.judge(images, metadata or [None] * len(images))
+        return credit if partial else correct
+
+    return fn
+
+
+def load_geneval(device, dtype=None):
+    """GenEval's own per-image score: 1 if every clause of the prompt's metadata holds, else 0 (what GenEval
+    reports, for evaluation and the benchmark). Scale: [0, 1]; SD3.5-M about 0.63 on GenEval's prompts, 0.91 after
+    the paper's curriculum. Needs the prompts' GenEval metadata (a .jsonl prompt file)."""
+    return geneval_reward(load_geneval_judge(device, dtype), partial=False)
+
+
+def load_geneval_partial(device, dtype=None):
+    """GenEval with partial credit, the reward the GenEval stages train on (Flow-GRPO's and DiffusionNFT's): the
+    mean over the metadata's clauses of how much of each holds, so a group of images none of which is fully right
+    still has an order (a 0/1 reward leaves it all equal, with zero advantages). Scale: [0, 1]."""
+    return geneval_reward(load_geneval_judge(device, dtype), partial=True)
+
+
 # --------------------------------------------------------------------------- OCR (text rendering)
 
 
@@ -602,7 +880,8 @@ def python_reward(path, name):
 # name -> loader(device, dtype=None) -> fn(images, prompts[, metadata]); dtype is the model-based rewards' dtype
 REWARDS = {"jpeg": load_jpeg, "pickscore": load_pickscore, "clipscore": load_clipscore, "hpsv2": load_hpsv2,
            "aesthetic": load_aesthetic, "imagereward": load_imagereward, "ocr": load_ocr, "digit": load_digit,
-           "digit_correct": load_digit_correct, "digit_knn": load_digit_knn}
+           "digit_correct": load_digit_correct, "digit_knn": load_digit_knn, "geneval": load_geneval,
+           "geneval_partial": load_geneval_partial}
 
 
 def _split_weight(item):

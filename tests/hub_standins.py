@@ -263,6 +263,29 @@ def build_aesthetic(directory, seed):
     torch.save(mlp.state_dict(), os.path.join(directory, reward.AESTHETIC_FILE))
 
 
+def build_mask2former(directory, seed):
+    """facebook/mask2former-swin-small-coco-instance (the geneval reward's detector): a
+    Mask2FormerForUniversalSegmentation over a Swin backbone with the real head's shape: the 80 COCO classes (plus
+    no-object) named as in the real config, 100 queries, masks at a quarter of the input; widths of 16-32 and one or
+    two layers per part."""
+    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, SwinConfig
+
+    names = {i: name for i, name in enumerate(COCO_NAMES)}
+    backbone = SwinConfig(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2], window_size=7, drop_path_rate=0.0,
+                          out_features=["stage1", "stage2", "stage3", "stage4"])
+    config = Mask2FormerConfig(backbone_config=backbone, num_labels=80, num_queries=100, hidden_dim=32,
+                               feature_size=32, mask_feature_size=32, encoder_layers=1, decoder_layers=2,
+                               num_attention_heads=2, dim_feedforward=64, encoder_feedforward_dim=64, id2label=names,
+                               label2id={name: i for i, name in names.items()})
+    with seeded(seed, "mask2former"):
+        Mask2FormerForUniversalSegmentation(config).eval().save_pretrained(directory)
+
+
+# the real checkpoint's id2label: COCO's names (GenEval renames three of them: reward.GENEVAL_CLASSES)
+COCO_NAMES = [{"computer mouse": "mouse", "tv remote": "remote", "computer keyboard": "keyboard"}.get(name, name)
+              for name in reward.GENEVAL_CLASSES]
+
+
 STANDINS = {
     MODEL_IDS["sd3"]: build_sd3,
     MODEL_IDS["flux"]: build_flux,
@@ -271,6 +294,7 @@ STANDINS = {
     reward.CLIPSCORE_MODEL: build_clip_l,      # also reward.AESTHETIC_CLIP
     reward.HPS_REPO: build_hpsv2,
     reward.AESTHETIC_REPO: build_aesthetic,
+    reward.GENEVAL_DETECTOR: build_mask2former,
 }
 
 

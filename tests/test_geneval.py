@@ -1,0 +1,318 @@
+"""GenEval in-process (reward.py): its rules on hand-made detections for every tag and boundary, with the expected
+verdicts written here; the detector's post-processing against a hand computation; the colour classifier's text
+embeddings; the rewards loaded under their real ids from the stand-in cache."""
+
+import math
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+
+import reward
+
+EMPTY = torch.zeros(4, 4, dtype=torch.bool)
+
+
+def det(name, score, box=(0, 0, 10, 10)):
+    return (name, score, box, EMPTY)
+
+
+def objects(*dets, tag="two_object"):
+    return reward.geneval_objects(list(dets), tag)
+
+
+def no_colours(name, found):
+    raise AssertionError("no colour was asked for")
+
+
+def verdict(meta, objs, colours=no_colours):
+    return reward.geneval_rules(meta, objs, colours)
+
+
+# --------------------------------------------------------------------------- which detections count
+
+
+def test_detections_above_0_3_count_and_above_0_9_for_counting():
+    dets = [det("cat", 0.31), det("cat", 0.30), det("dog", 0.95), det("dog", 0.85), det("cow", 0.1)]
+    assert {k: len(v) for k, v in objects(*dets).items()} == {"cat": 1, "dog": 2}   # 0.30 is not above 0.3
+    assert {k: len(v) for k, v in objects(*dets, tag="counting").items()} == {"dog": 1}
+
+
+def test_at_most_16_per_class_best_first_and_no_suppression():
+    # 20 identical boxes (an NMS would keep one), scores 0.40 .. 0.59 in a shuffled order
+    scores = [0.40 + 0.01 * ((7 * i) % 20) for i in range(20)]
+    found = objects(*[det("cup", s, (i, 0, i + 5, 5)) for i, s in enumerate(scores)])["cup"]
+    assert len(found) == 16
+    kept = [box[0] for box, _ in found]
+    best = sorted(range(20), key=lambda i: -scores[i])[:16]
+    assert kept == best                                              # the 16 best, in order of score
+
+
+# --------------------------------------------------------------------------- include, count, exclude
+
+
+def test_an_include_clause_needs_its_count_and_takes_the_best_ones():
+    meta = {"tag": "two_object", "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1}]}
+    assert verdict(meta, objects(det("cat", 0.8), det("dog", 0.5)))[0] is True
+    assert verdict(meta, objects(det("cat", 0.8)))[0] is False       # no dog
+    assert verdict(meta, objects(det("cat", 0.8), det("cat", 0.7), det("dog", 0.5)))[0] is True   # extra cats: fine
+    meta = {"tag": "counting", "include": [{"class": "cat", "count": 3}], "exclude": [{"class": "cat", "count": 4}]}
+    three = [det("cat", 0.95, (10 * i, 0, 10 * i + 5, 5)) for i in range(3)]
+    assert verdict(meta, objects(*three, tag="counting"))[0] is True
+    assert verdict(meta, objects(*three[:2], tag="counting"))[0] is False                # two of three
+    assert verdict(meta, objects(*three, det("cat", 0.99), tag="counting"))[0] is False  # exclude at 4: fails
+    assert verdict(meta, objects(*three, det("cat", 0.85), tag="counting"))[0] is True   # a fourth below 0.9
+
+
+def test_exclude_fails_at_its_count_not_below():
+    meta = {"tag": "single_object", "include": [{"class": "bus", "count": 1}],
+            "exclude": [{"class": "cow", "count": 2}]}
+    assert verdict(meta, objects(det("bus", 0.5), det("cow", 0.5)))[0] is True
+    assert verdict(meta, objects(det("bus", 0.5), det("cow", 0.5), det("cow", 0.4)))[0] is False
+
+
+# --------------------------------------------------------------------------- colours
+
+
+def test_colour_clauses_ask_the_colour_of_each_found_object():
+    meta = {"tag": "color_attr", "include": [{"class": "car", "count": 1, "color": "red"},
+                                             {"class": "bench", "count": 1, "color": "blue"}]}
+    objs = objects(det("car", 0.9), det("car", 0.4), det("bench", 0.6))
+    asked = []
+
+    def colours(name, found):
+        asked.append((name, len(found)))
+        return {"car": ["red"], "bench": ["green"]}[name]
+
+    assert reward.geneval_correct(meta, objs, colours) is False     # the bench is green
+    assert asked == [("car", 1), ("bench", 1)]                       # only the best `count` of each class
+    # partial credit (Flow-GRPO's terms): car 1 - |1 - 2| / 1 = 0 and, its count not exact, a 0 for the colour;
+    # bench 1, then 1 - |1 - 0 blue| / 1 = 0 -> mean of (0, 0, 1, 0); all detections are asked this time
+    asked.clear()
+    assert reward.geneval_partial_score(meta, objs, colours) == 0.25 and asked == [("bench", 1)]
+    assert verdict(meta, objs, lambda name, found: {"car": ["red"], "bench": ["blue"]}[name]) == (True, 0.5)
+    meta = {"tag": "colors", "include": [{"class": "car", "count": 2, "color": "red"}]}
+    assert verdict(meta, objs, lambda name, found: ["red", "blue"])[0] is False   # both must be red
+    assert verdict(meta, objs, lambda name, found: ["red", "red"]) == (True, 1.0)
+    # one of two red: correct fails; partial (count 1 - 0, colour 1 - |2 - 1| / 2) = 0.75
+    assert verdict(meta, objs, lambda name, found: ["red", "blue"]) == (False, 0.75)
+
+
+# --------------------------------------------------------------------------- positions
+
+
+@pytest.mark.parametrize("a,b,relations", [
+    ((0, 0, 10, 10), (20, 0, 30, 10), {"left of"}),                 # offset -20, shrunk by 0.1 x 20: dx = -0.9
+    ((20, 0, 30, 10), (0, 0, 10, 10), {"right of"}),
+    ((0, 0, 10, 10), (0, 30, 10, 40), {"above"}),                   # y grows downwards
+    ((0, 30, 10, 40), (0, 0, 10, 10), {"below"}),
+    ((0, 0, 10, 10), (4, 0, 14, 10), set()),                        # offset 4, shrunk to 2: dx = -0.5, not < -0.5
+    ((0, 0, 10, 10), (4.02, 0, 14.02, 10), {"left of"}),            # (4.02 - 2) / 4.02 = 0.502
+    ((0, 0, 10, 10), (1, 0, 11, 10), set()),                        # offset 1 < the shrink 2: clamped to 0
+    ((0, 0, 10, 10), (20, 20, 30, 30), {"left of", "above"}),       # diagonal: both 18 / 28.3 = 0.64
+    ((0, 0, 10, 10), (20, 8, 30, 18), {"left of"}),                 # dy shrunk to 6 / 21.5 = 0.28: no vertical
+])
+def test_relative_position(a, b, relations):
+    assert reward.relative_position(a, b) == relations
+
+
+def test_a_position_clause_compares_with_every_object_of_its_target_clause():
+    meta = {"tag": "position", "include": [{"class": "dog", "count": 1},
+                                           {"class": "cat", "count": 1, "position": ["left of", 0]}]}
+    left, right = (0, 0, 10, 10), (40, 0, 50, 10)
+    assert verdict(meta, objects(det("dog", 0.9, right), det("cat", 0.9, left))) == (True, 1.0)
+    # wrong side: partial terms dog 1, cat 1, then the server's 0 and 1 for the failed relation -> 3 / 4
+    assert verdict(meta, objects(det("dog", 0.9, left), det("cat", 0.9, right))) == (False, 0.75)
+    # clause 0 did not match (no dog): the cat has nothing to be left of, and fails too; partial (0, 1, 0)
+    assert verdict(meta, objects(det("cat", 0.9, left))) == (False, pytest.approx(1 / 3))
+    meta["include"][0]["count"] = 2    # two dogs, the cat must be left of both
+    two = [det("dog", 0.9, right), det("dog", 0.8, (20, 0, 30, 10))]
+    assert verdict(meta, objects(*two, det("cat", 0.9, left)))[0] is True
+    two[1] = det("dog", 0.8, (-30, 0, -20, 10))
+    assert verdict(meta, objects(*two, det("cat", 0.9, left)))[0] is False
+
+
+# --------------------------------------------------------------------------- classes
+
+
+def test_the_80_classes_in_coco_order_with_genevals_three_renames():
+    assert len(reward.GENEVAL_CLASSES) == 80 and len(set(reward.GENEVAL_CLASSES)) == 80
+    assert reward.GENEVAL_CLASSES[:3] == ("person", "bicycle", "car") and reward.GENEVAL_CLASSES[-1] == "toothbrush"
+    assert reward.GENEVAL_CLASSES[64:67] == ("computer mouse", "tv remote", "computer keyboard")
+    assert reward.GENEVAL_CLASSES.index("tv") == 62 and reward.GENEVAL_CLASSES.index("cell phone") == 67
+    assert reward.GENEVAL_COLORS == ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black",
+                                     "white")
+
+
+# --------------------------------------------------------------------------- the detector's input and post-processing
+
+
+def test_detector_input_fits_1333_by_800_without_antialiasing_and_pads_to_32():
+    images = torch.rand(1, 3, 100, 60)
+    x, size = reward.detector_input(images)
+    factor = min(1333 / 100, 800 / 60)                                # the long side limit binds: 13.33
+    assert size == (int(100 * factor + 0.5), int(60 * factor + 0.5)) == (1333, 800)
+    assert x.shape == (1, 3, 1344, 800)                               # 1333 padded to 1344
+    assert (x[..., 1333:, :] == 0).all()
+    u8 = (images * 255).round()
+    by_hand = torch.nn.functional.interpolate(u8, size=size, mode="bilinear", align_corners=False).round()
+    mean, std = torch.tensor([123.675, 116.28, 103.53]), torch.tensor([58.395, 57.12, 57.375])
+    assert torch.allclose(x[0, :, :1333], (by_hand[0] - mean[:, None, None]) / std[:, None, None], atol=1e-4)
+    assert reward.detector_input(torch.rand(1, 3, 512, 512))[1] == (800, 800)
+
+
+def test_mask2former_post_processing_by_hand():
+    # 2 queries, 3 classes + no-object; masks of 2 x 2 at a quarter of an 8 x 8 padded input; the resized image is
+    # the top-left 6 x 8 of it, the original image 3 x 4
+    class_logits = torch.tensor([[2.0, 0.0, 0.0, 0.0], [0.0, 0.0, 3.0, 1.0]])
+    mask_logits = torch.tensor([[[4.0, -4.0], [-4.0, -4.0]], [[-4.0, -4.0], [-4.0, 4.0]]])
+    dets = reward.mask2former_detections(class_logits, mask_logits, (6, 8), (3, 4), top_k=2)
+    # top 2 (query, class) pairs by probability: query 1 class 2, query 0 class 0
+    p = torch.softmax(class_logits, -1)
+    assert [d[0] for d in dets] == [2, 0]
+    for (label, score, box, mask), q in zip(dets, (1, 0)):
+        up = torch.nn.functional.interpolate(mask_logits[q][None, None], size=(8, 8), mode="bilinear",
+                                             align_corners=False)[:, :, :6, :8]
+        logits = torch.nn.functional.interpolate(up, size=(3, 4), mode="bilinear", align_corners=False)[0, 0]
+        binary = logits > 0
+        assert torch.equal(mask, binary)
+        mean_prob = logits.sigmoid()[binary].mean() if binary.any() else torch.tensor(0.0)
+        assert score == pytest.approx((p[q, label] * mean_prob).item(), rel=1e-5)
+        rows, cols = binary.any(1).nonzero().flatten(), binary.any(0).nonzero().flatten()
+        assert box == (cols.min().item(), rows.min().item(), cols.max().item() + 1, rows.max().item() + 1)
+    assert dets[1][2][:2] == (0, 0) and dets[0][2][2:] == (4, 3)     # top-left and bottom-right corners
+
+
+def test_an_empty_mask_has_a_zero_box_and_score():
+    dets = reward.mask2former_detections(torch.tensor([[5.0, 0.0]]), torch.full((1, 2, 2), -5.0), (8, 8), (8, 8))
+    assert dets[0][1] == 0.0 and dets[0][2] == (0, 0, 0, 0)
+
+
+# --------------------------------------------------------------------------- the judge from the stand-in cache
+
+
+@pytest.fixture
+def judge(use_hub_cache):
+    """The stand-ins' judge, loaded afresh (load_reward shares one per device) and dropped after the test."""
+    reward._GENEVAL.clear()
+    yield reward.load_geneval_judge("cpu")
+    reward._GENEVAL.clear()
+
+
+def test_the_colour_classifier_averages_three_normalised_templates_per_colour(judge):
+    clip, tokenizer = judge.clip, judge.processor.tokenizer
+    expected = []
+    for colour in ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"):
+        texts = [f"a photo of a {colour} fire hydrant", f"a photo of a {colour}-colored fire hydrant",
+                 f"a photo of a {colour} object"]
+        with torch.no_grad():   # one text at a time: no padding in the way
+            emb = torch.cat([reward._features(clip.get_text_features(**tokenizer([t], return_tensors="pt")))
+                             for t in texts])
+        mean = (emb / emb.norm(dim=-1, keepdim=True)).mean(0)
+        expected.append(mean / mean.norm())
+    assert torch.allclose(judge.colour_classifier("fire hydrant"), torch.stack(expected), atol=1e-5)
+
+
+def test_an_objects_colour_is_clip_on_its_mask_over_grey_cropped_to_its_box(judge):
+    picture = torch.rand(3, 20, 30)
+    mask = torch.zeros(20, 30, dtype=torch.bool)
+    mask[4:12, 5:25] = True
+    mask[6, 7] = False                                                # a hole: grey shows through
+    box = (5, 4, 25, 12)
+    crop = torch.full_like(picture, 0.6)                              # #999999
+    crop[:, mask] = picture[:, mask]
+    crop = crop[:, 4:12, 5:25]
+    pixels = reward.clip_pixel_values(crop[None], judge.processor.image_processor)
+    with torch.no_grad():
+        emb = reward._features(judge.clip.get_image_features(pixel_values=pixels))
+    similarity = (emb / emb.norm(dim=-1, keepdim=True)) @ judge.colour_classifier("cat").T
+    assert judge.colours(picture, "cat", [(box, mask)]) == [reward.GENEVAL_COLORS[similarity.argmax().item()]]
+
+
+def test_geneval_and_its_partial_score_share_one_detector_pass_per_batch(judge):
+    """load_reward on the stand-ins: the verdicts equal the pieces composed here by hand (detector input, detector,
+    post-processing, thresholds, rules), image by image with its own metadata; both rewards detect once."""
+    fn = reward.load_reward("geneval:1,geneval_partial:1")
+    assert reward.load_geneval_judge("cpu") is judge
+    with torch.no_grad():   # random class weights score every class near 1/81: make "dog" and "cat" detectable
+        judge.detector.class_predictor.bias[[16, 15]] += torch.tensor([9.0, 8.5])
+    metadata = [{"tag": "single_object", "include": [{"class": "dog", "count": 1}]},
+                {"tag": "counting", "include": [{"class": "dog", "count": 2}],
+                 "exclude": [{"class": "dog", "count": 3}]},
+                {"tag": "color_attr", "include": [{"class": "dog", "count": 1, "color": "red"},
+                                                  {"class": "cat", "count": 1, "color": "blue"}]},
+                {"tag": "position", "include": [{"class": "cat", "count": 1},
+                                                {"class": "dog", "count": 1, "position": ["left of", 0]}]}] * 3
+    images = torch.rand(len(metadata), 3, 24, 24)
+    passes = []
+    hook = judge.detector.register_forward_hook(lambda *_: passes.append(1))
+    try:
+        total = fn(images, ["a prompt"] * len(images), metadata)
+    finally:
+        hook.remove()
+    assert len(passes) == 2                                           # 12 images, 8 per pass, once for both rewards
+    by_hand = []
+    for image, meta in zip(images, metadata):
+        pixels, size = reward.detector_input(image[None])
+        with torch.no_grad():
+            out = judge.detector(pixel_values=pixels)
+        found = reward.mask2former_detections(out.class_queries_logits[0], out.masks_queries_logits[0], size, (24, 24))
+        threshold = 0.9 if meta["tag"] == "counting" else 0.3
+        objects = {}
+        for c, score, box, mask in sorted(found, key=lambda d: -d[1]):
+            if score > threshold and len(objects.setdefault(reward.GENEVAL_CLASSES[c], [])) < 16:
+                objects[reward.GENEVAL_CLASSES[c]].append((box, mask))
+        picture = (image * 255).round() / 255
+        by_hand.append(reward.geneval_rules(meta, objects, lambda name, objs: judge.colours(picture, name, objs)))
+    correct, partial = (torch.tensor([v[k] for v in by_hand], dtype=torch.float32) for k in (0, 1))
+    assert torch.allclose(fn.last_parts["geneval"], correct) and torch.allclose(fn.last_parts["geneval_partial"],
+                                                                                partial, atol=1e-6)
+    assert torch.allclose(total, correct + partial, atol=1e-6)
+    assert len({round(v, 6) for v in partial.tolist()}) > 1           # the case is not degenerate
+
+
+def test_geneval_without_metadata_is_one_clear_error(judge):
+    fn = reward.load_reward("geneval_partial")
+    with pytest.raises(reward.RewardError, match="needs GenEval metadata for every prompt"):
+        fn(torch.rand(2, 3, 16, 16), ["a dog", "a cat"])
+
+
+# --------------------------------------------------------------------------- the shipped training prompts
+
+
+def test_the_shipped_training_prompts_are_in_genevals_format_and_are_the_scripts_output(tmp_path):
+    import json
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "prompts"))
+    import make_prompts
+
+    with open(os.path.join(root, "prompts", "geneval_train.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    tags = {line["tag"] for line in lines}
+    assert tags == {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
+    for line in lines:
+        clauses = line["include"]
+        assert all(c["class"] in reward.GENEVAL_CLASSES and c["class"] in line["prompt"] for c in clauses)
+        assert all(c["color"] in reward.GENEVAL_COLORS and c["class"] != "person" for c in clauses if "color" in c)
+        assert len(clauses) == {"single_object": 1, "counting": 1, "colors": 1}.get(line["tag"], 2), line
+        if line["tag"] == "counting":
+            count = clauses[0]["count"]
+            assert 2 <= count <= 4 and line["exclude"] == [{"class": clauses[0]["class"], "count": count + 1}]
+            assert line["prompt"].startswith(f"a photo of {('two', 'three', 'four')[count - 2]} ")
+        if line["tag"] == "position":
+            relation, target = clauses[1]["position"]
+            assert target == 0 and f" {relation} " in line["prompt"]
+        if line["tag"] == "single_object":  # GenEval evaluates every "a photo of a NAME": none of those here
+            assert not line["prompt"].startswith("a photo of")
+    assert len({line["prompt"] for line in lines}) == len(lines)
+    # the file is the script's output with GenEval's evaluation prompts left out (the count its docstring states)
+    everything, excluded = make_prompts.write(str(tmp_path))
+    assert excluded == 0 and len(everything) - len(lines) == 104
+    it = iter(everything)
+    assert all(line in it for line in lines)                          # in order: a subsequence of the draws
+    assert open(tmp_path / "ocr_train.txt").read() == open(os.path.join(root, "prompts", "ocr_train.txt")).read()
+    assert make_prompts.plural("bus") == "buses" and make_prompts.plural("sheep") == "sheeps"

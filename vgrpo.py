@@ -77,6 +77,11 @@ def arg(default, help):
 class Args:
     # None: the model's recipe decides (RECIPES below, resolved by resolve_defaults); explicit flags always win.
     preset: str = arg("", "a named stage of the paper's curriculum (see PRESETS); explicit flags override it")
+    curriculum: str = arg("", "run a curriculum as one launch: sd3 (the paper's five SD3.5-M stages, see CURRICULA) or "
+                              "a .json list of stages, each {\"iterations\": N, \"preset\": ..., and any of reward, "
+                              "prompts, n_mc, adv_soft_clip, beta}; the weights carry over from stage to stage")
+    stage_prompts: str = arg("", "with --curriculum, other prompt files for some stages: PRESET=FILE,... (e.g. "
+                                 "sd3-geneval=geneval.jsonl)")
     model: str = arg("digits", "digits (the CPU demo: a tiny SD3 pretrained on handwritten digits, shipped in "
                                "digits/), sd3 (SD3.5-Medium), flux (FLUX.1-dev), tiny / tiny-flux (random, built in "
                                "code, for tests), or any SD3 / FLUX pipeline id or folder")
@@ -112,8 +117,11 @@ class Args:
                                  "4 FLUX)")
     micro_batch: int = arg(None, "samples per training forward pass, N_MC rows each (default: gcd(minibatch, 16 "
                                  "tiny / 4))")
-    sample_batch: int = arg(None, "samples per pass in rollouts, VAE decoding and evaluation: no gradients, no kept "
-                                  "activations, so larger than --micro-batch (24 SD3, 12 FLUX, 16 tiny)")
+    sample_batch: int = arg(None, "samples per transformer pass in rollouts and evaluation: no gradients, no kept "
+                                  "activations, so larger than --micro-batch (24 SD3, 12 FLUX, 32 digits, 16 tiny)")
+    decode_batch: int = arg(None, "images per VAE decoding pass: at 512-720 px the decoder's activations, not the "
+                                  "transformer's, would set the peak memory of a whole rollout batch (4 SD3, 2 FLUX, "
+                                  "32 digits, 16 tiny)")
     lr: float = arg(None, "AdamW learning rate (default: 2e-3 for tiny, 3e-4 with LoRA, 1e-5 for full fine-tuning)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
@@ -169,29 +177,76 @@ _NO_EVAL = dict(eval_prompts="", eval_every=0, eval_rewards="", eval_images=2)
 _REAL = dict(_NO_EVAL, mixed_precision="bf16", gradient_checkpointing=True, full_finetune=False, save_every=25)
 RECIPES = {
     "sd3": dict(_REAL, reward="pickscore", resolution=512, sample_steps=40, guidance=1.0, iterations=150,
-                prompts_per_step=48, group_size=24, inner_steps=1, adv_soft_clip=3.0, sample_batch=24),
+                prompts_per_step=48, group_size=24, inner_steps=1, adv_soft_clip=3.0, sample_batch=24,
+                decode_batch=4),
     "flux": dict(_REAL, reward="hpsv2", resolution=720, sample_steps=16, guidance=3.5, iterations=300,
-                 prompts_per_step=32, group_size=12, inner_steps=4, adv_soft_clip=0.0, sample_batch=12),
+                 prompts_per_step=32, group_size=12, inner_steps=4, adv_soft_clip=0.0, sample_batch=12,
+                 decode_batch=2),
     "digits": dict(reward="digit", prompts="prompts/digits_train.jsonl", eval_prompts="prompts/digits_eval.jsonl",
                    eval_every=20, eval_rewards="digit_correct,digit_knn,digit", eval_images=8, resolution=16,
                    sample_steps=12, guidance=1.0, iterations=80, prompts_per_step=4, group_size=8, inner_steps=1,
                    adv_soft_clip=0.0, mixed_precision="no", gradient_checkpointing=False, full_finetune=False,
-                   lr=1e-3, save_every=80, sample_batch=32),
+                   lr=1e-3, save_every=80, sample_batch=32, decode_batch=32),
     "tiny": dict(_NO_EVAL, reward="jpeg:100", resolution=32, sample_steps=10, guidance=1.0, iterations=60, prompts_per_step=4,
                  group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no", gradient_checkpointing=False,
-                 full_finetune=True, save_every=50, prompts="", sample_batch=16),
+                 full_finetune=True, save_every=50, prompts="", sample_batch=16, decode_batch=16),
 }
 RECIPES["tiny-flux"] = dict(RECIPES["tiny"], guidance=3.5, max_sequence_length=16)  # FLUX.1-dev's guidance value
 TRAIN_PROMPTS = os.path.join(HERE, "prompts", "train.txt")  # a real model's prompts when --prompts is not given
 
 # Named stages of the paper's curriculum: a model and a reward (and what the stage changes); the model's recipe
-# fills in the rest, and explicit flags override both.
+# fills in the rest, and explicit flags override both. Prompt files are the project's (prompts/).
 PRESETS = {
-    "sd3-preference": dict(model="sd3", reward="pickscore:1,hpsv2:1,clipscore:1"),  # stage 1 of SD3.5-M's curriculum
-    "sd3-ocr": dict(model="sd3", reward="ocr", n_mc=10, iterations=30, adv_soft_clip=0.0),  # last stage; quoted text
+    "sd3-preference": dict(model="sd3", reward="pickscore:1,hpsv2:1,clipscore:1"),  # SD3.5-M's preference stages
+    # GenEval stages: the partial-credit score (a 0/1 reward leaves most groups of a hard prompt all equal), about
+    # 10 pairs, no soft clip (reported to hurt with a coarse reward)
+    "sd3-geneval": dict(model="sd3", reward="geneval_partial", prompts="prompts/geneval_train.jsonl", n_mc=10,
+                        adv_soft_clip=0.0),
+    # text rendering, the last stage: its prompts quote the text; the KL term keeps earlier skills (the paper's 0.3)
+    "sd3-ocr": dict(model="sd3", reward="ocr", prompts="prompts/ocr_train.txt", n_mc=10, iterations=30,
+                    adv_soft_clip=0.0, beta=0.3),
     # the paper adds UnifiedReward, served over HTTP: append ,http://host:port/path to --reward
     "flux-preference": dict(model="flux", reward="hpsv2:1,pickscore:1,imagereward:1"),
 }
+# The paper's SD3.5-M curriculum as one launch: its stages (a preset each) and their lengths, 580 iterations in all.
+# The weights and optimizer carry over from stage to stage; --resume auto continues inside the right one.
+CURRICULA = {"sd3": [{"preset": "sd3-preference", "iterations": 150}, {"preset": "sd3-geneval", "iterations": 200},
+                     {"preset": "sd3-preference", "iterations": 150}, {"preset": "sd3-geneval", "iterations": 50},
+                     {"preset": "sd3-ocr", "iterations": 30}]}
+STAGE_FLAGS = ("reward", "prompts", "n_mc", "adv_soft_clip", "beta", "iterations")  # what the stages set
+
+
+def load_curriculum(name):
+    """--curriculum -> its stages (dicts): a name of CURRICULA or a .json file holding such a list."""
+    if name in CURRICULA:
+        return CURRICULA[name]
+    if not name.endswith(".json") or not os.path.isfile(name):
+        raise UsageError(f"unknown --curriculum '{name}': use {', '.join(CURRICULA)} or a .json file of stages")
+    with open(name) as f:
+        try:
+            stages = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--curriculum {name}: not JSON ({e.msg})") from None
+    for i, stage in enumerate(stages if isinstance(stages, list) and stages else [None], 1):
+        bad = set(stage) - {"preset", *STAGE_FLAGS} if isinstance(stage, dict) else {"?"}
+        if bad or not isinstance(stage.get("iterations"), int) or stage["iterations"] < 1 or \
+                stage.get("preset", "sd3-preference") not in PRESETS:
+            raise UsageError(f"--curriculum {name}, stage {i}: expected {{\"iterations\": N >= 1, \"preset\": one "
+                             f"of {', '.join(PRESETS)}, or any of {', '.join(STAGE_FLAGS[:-1])}}}")
+    return stages
+
+
+def stage_name(stage, number):
+    return stage.get("preset") or f"stage-{number}"
+
+
+def project_file(path):
+    """A path inside the project, relative to where vgrpo runs (nodes with the project elsewhere agree on it)."""
+    return os.path.relpath(os.path.join(HERE, path))
+
+
+def preset_settings(name):
+    return {k: project_file(v) if k.endswith("prompts") and v else v for k, v in PRESETS[name].items()}
 
 
 def is_tiny(model):
@@ -203,11 +258,10 @@ def resolve_defaults(args, world_size):
     full fine-tuning; the micro-batch divides the per-process minibatch; --resume auto names the newest checkpoint."""
     recipe = RECIPES[args.model if args.model in RECIPES else model_kind(args.model)]
     for name, value in recipe.items():
-        if getattr(args, name) is None:  # the recipe's files are the project's: relative to where it runs
-            setattr(args, name, os.path.relpath(os.path.join(HERE, value)) if name.endswith("prompts") and value
-                    else value)
-    if args.prompts is None:  # relative, so that nodes with the project at different paths agree on the config
-        args.prompts = os.path.relpath(TRAIN_PROMPTS)
+        if getattr(args, name) is None:  # the recipe's files are the project's
+            setattr(args, name, project_file(value) if name.endswith("prompts") and value else value)
+    if args.prompts is None:
+        args.prompts = project_file(TRAIN_PROMPTS)
     if args.lr is None:
         args.lr = 2e-3 if is_tiny(args.model) else 1e-5 if args.full_finetune else 3e-4
     if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
@@ -414,10 +468,36 @@ class Run:
     eval_metadata: list = None
     eval_reward_fn: object = None
     trackers: object = None          # Trackers on rank 0 with --report-to
+    stages: list = None              # the curriculum's Stages (without one, a single Stage: the whole run)
 
     @property
     def n_prompts(self):
         return self.args.prompts_per_step // self.world
+
+
+@dataclass
+class Stage:
+    """A stage of --curriculum, or the whole run without one: iterations [start, end) with their own settings
+    (args), reward and prompts; use_stage makes them the run's."""
+    name: str
+    start: int
+    end: int
+    args: Args
+    reward_fn: object = None
+    prompts: list = None
+    metadata: list = None
+
+
+def use_stage(run, it):
+    """Make the stage that iteration `it` belongs to the run's: its settings, reward and prompts (rank 0 says so)."""
+    stage = next(s for s in run.stages if s.start <= it < s.end)
+    if run.args is not stage.args:
+        run.args, run.reward_fn, run.prompts, run.metadata = stage.args, stage.reward_fn, stage.prompts, stage.metadata
+        if run.rank == 0:
+            a = stage.args
+            print(f"vgrpo: stage {run.stages.index(stage) + 1}/{len(run.stages)} {stage.name}, iterations "
+                  f"{stage.start + 1}..{stage.end}: reward {a.reward}, prompts {a.prompts}, N_MC {a.n_mc}, "
+                  f"soft clip {a.adv_soft_clip:g}, beta {a.beta:g}", flush=True)
 
 
 def train_iteration(run, it):
@@ -468,7 +548,7 @@ def generate(run, prompts, noise_keys):
                          for key in noise_keys]).to(run.device)          # (B, *latent_shape)
     cond = family.encode(prompts)
     o = rollout(family, family.transformer, cond, noise, run.sigmas, run.args, run.negative)
-    return cond, o, decode(family, o, run.args.sample_batch)
+    return cond, o, decode(family, o, run.args.decode_batch)
 
 
 def iteration_advantages(run, r):
@@ -615,6 +695,7 @@ def main(argv=None):
         log_evaluation(run, 0)
     history, bad_streak = [], 0
     for it in range(start, args.iterations):
+        use_stage(run, it)  # a curriculum's stage sets the reward, prompts and settings; without one, nothing changes
         stats, images, prompts, r, A = train_iteration(run, it)
         m = iteration_metrics(run, it, stats, r, A)
         history.append(m["reward_mean"])
@@ -691,6 +772,8 @@ def command_line(args):
     out = []
     for f in dataclasses.fields(Args):
         value, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
+        if args.curriculum and f.name in STAGE_FLAGS:  # the curriculum sets them stage by stage
+            continue
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
         elif f.name != "preset" and value is not None:
@@ -710,11 +793,20 @@ def parse_args(argv=None):
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
             p.add_argument(name, type=typ, default=f.default, help=f.metadata["help"])
-    preset = p.parse_known_args(argv)[0].preset
-    if preset:
-        if preset not in PRESETS:
-            raise UsageError(f"unknown --preset '{preset}': valid choices are {', '.join(PRESETS)}")
-        p.set_defaults(**PRESETS[preset])
+    known = p.parse_known_args(argv)[0]
+    if known.preset:
+        if known.preset not in PRESETS:
+            raise UsageError(f"unknown --preset '{known.preset}': valid choices are {', '.join(PRESETS)}")
+        p.set_defaults(**preset_settings(known.preset))
+    if known.curriculum:  # the first stage's settings, and the whole curriculum's length
+        stages = load_curriculum(known.curriculum)
+        given = [t.split("=")[0] for t in (sys.argv[1:] if argv is None else argv)
+                 if t.split("=")[0] in {"--preset", *("--" + f.replace("_", "-") for f in STAGE_FLAGS)}]
+        if given:
+            raise UsageError(f"--curriculum {known.curriculum} sets {given[0]} stage by stage; leave it out (other "
+                             "prompt files: --stage-prompts STAGE=FILE,...)")
+        model = {"model": PRESETS[stages[0]["preset"]]["model"]} if stages[0].get("preset") else {}
+        p.set_defaults(**stage_settings(stages[0]), **model, iterations=sum(stage["iterations"] for stage in stages))
     return Args(**vars(p.parse_args(argv)))
 
 
@@ -729,7 +821,7 @@ class UsageError(FatalError):
 
 
 # checkpoint settings that must match to resume; everything else may change (a curriculum changes rewards)
-RESUME_MUST_MATCH = ("model", "full_finetune", "lora_rank", "lora_alpha", "resolution", "fsdp")
+RESUME_MUST_MATCH = ("model", "full_finetune", "lora_rank", "lora_alpha", "resolution", "fsdp", "curriculum")
 SAMPLERS = ("dpmpp2m", "euler")
 AMP_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # the flags with a fixed set of values: attribute -> (how an error names it, the valid values)
@@ -758,20 +850,23 @@ def validate(args, world_size):
     for name, (called, valid) in CHOICES.items():
         if getattr(args, name) not in valid:
             raise UsageError(f"unknown {called} '{getattr(args, name)}': valid choices are {', '.join(valid)}")
-    check_reward_specs(args)
+    check_curriculum(args)
+    for _, _, _, stage in curriculum_stages(args):  # every stage's reward, prompt file and sizes (or the run's)
+        check_reward_specs(stage)
+        check_prompt_files(stage)
+        check_sizes(stage, world_size)
     for name in filter(None, args.report_to.split(",")):
         if name not in ("tensorboard", "wandb"):
             raise UsageError(f"unknown --report-to '{name}': valid choices are tensorboard, wandb")
         if importlib.util.find_spec(name) is None:
             raise UsageError(f"--report-to {name} needs the {name} package: pip install {name}")
-    check_sizes(args, world_size)
     check_paths(args)
 
 
 def check_sizes(args, world_size):
     """Counts, batch arithmetic over the processes, and the scalars' signs."""
     for name in ("sample_steps", "iterations", "prompts_per_step", "n_mc", "inner_steps", "save_every", "sample_every",
-                 "sample_batch"):
+                 "sample_batch", "decode_batch"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.group_size < 2:
@@ -804,11 +899,27 @@ def check_sizes(args, world_size):
         raise UsageError("--keep-last must be >= 0, --max-bad-steps and --dist-timeout >= 1")
 
 
-def check_paths(args):
-    """Prompt files exist, the output folder is writable, --resume names a checkpoint of this configuration."""
+def check_prompt_files(args):
     for flag, path in (("--prompts", args.prompts), ("--eval-prompts", args.eval_prompts)):
         if path and not os.path.isfile(path):
-            raise UsageError(f"{flag}: prompt file not found: {path}")
+            raise UsageError(f"{flag}: prompt file not found: {path}" + (f" (stage {args.preset})" if args.preset
+                                                                         and args.curriculum else ""))
+
+
+def check_curriculum(args):
+    """--stage-prompts names stages of --curriculum as PRESET=FILE."""
+    if args.stage_prompts and not args.curriculum:
+        raise UsageError("--stage-prompts replaces the prompt files of --curriculum's stages: give --curriculum")
+    stages = {stage_name(s, n) for n, s in enumerate(load_curriculum(args.curriculum), 1)} if args.curriculum else ()
+    for item in filter(None, args.stage_prompts.split(",")):
+        name, _, path = item.partition("=")
+        if name not in stages or not path:
+            raise UsageError(f"--stage-prompts {item!r}: expected PRESET=FILE with PRESET one of the stages "
+                             f"{', '.join(sorted(stages))}")
+
+
+def check_paths(args):
+    """The output folder is writable, --resume names a checkpoint of this configuration."""
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
@@ -847,6 +958,30 @@ def check_resume_matches(args):
             if saved.get(k) != getattr(args, k)]
     if diff:
         raise UsageError(f"--resume {args.resume} belongs to a different configuration: {'; '.join(diff)}")
+
+
+def curriculum_stages(args):
+    """--curriculum's stages as (preset, first iteration, end, that stage's Args): the preset's settings on top of
+    the run's, --stage-prompts' files instead of its prompts. Without a curriculum, one stage: the whole run."""
+    if not args.curriculum:
+        return [("", 0, args.iterations, args)]
+    files = dict(item.split("=", 1) for item in filter(None, args.stage_prompts.split(",")))
+    unset = {f.name: f.default for f in dataclasses.fields(Args) if f.name in STAGE_FLAGS}  # the recipe decides
+    out, start = [], 0
+    for number, stage in enumerate(load_curriculum(args.curriculum), 1):
+        name, settings = stage_name(stage, number), stage_settings(stage)
+        settings.update({"prompts": files[name]} if name in files else {})
+        out.append((name, start, start + stage["iterations"], dataclasses.replace(
+            args, **{**unset, **settings, "preset": name, "iterations": args.iterations})))
+        start += stage["iterations"]
+    return out
+
+
+def stage_settings(stage):
+    """A curriculum stage's flags: its preset's (without the model and length) and its own on top."""
+    settings = {k: v for k, v in preset_settings(stage["preset"]).items() if k not in ("model", "iterations")} \
+        if stage.get("preset") else {}
+    return {**settings, **{k: v for k, v in stage.items() if k not in ("preset", "iterations")}}
 
 
 def load_prompts(path):
@@ -961,7 +1096,7 @@ class Family:
                 raise FatalError(f"prompt {missing[0]!r} is not in the embedding store encoded at start")
             if not missing:
                 rows = torch.tensor([self._store[p] for p in prompts])
-                return tuple(t[rows].to(self.device, non_blocking=True) for t in self._stored)
+                return tuple(self.store_rows(t, rows) for t in self._stored)
         missing = [p for p in dict.fromkeys(prompts) if p not in self._cache]
         if missing and self.offload:
             self.move_text_encoders(self.device)
@@ -978,6 +1113,16 @@ class Family:
             size -= sum(t.numel() * t.element_size() for t in self._cache.popitem(last=False)[1])
         n = len(next(iter(self._cache.values())))
         return tuple(torch.stack([self._cache[p][k] for p in prompts]).to(self.device) for k in range(n))
+
+    def store_rows(self, t, rows):
+        """Rows of a stored embedding tensor, on the device. A pinned store is indexed into pinned memory (t[rows]
+        would make an ordinary pageable copy, whose copy to the GPU then runs synchronously), so the copy overlaps
+        the work queued before it. The store stays in host memory: SD3's prompts take 2.7 MB each in bf16, a
+        curriculum's 3,000 of them 8 GB, which no GPU should hold beside the model."""
+        if not t.is_pinned():
+            return t[rows].to(self.device)
+        out = torch.empty((len(rows), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+        return torch.index_select(t, 0, rows, out=out).to(self.device, non_blocking=True)
 
     def scheduler_grid(self, steps, sigmas=None):
         """The pipeline's own (shifted) schedule: S values then the final 0, float32 on the CPU."""
@@ -1215,20 +1360,28 @@ def wrap_for_training(family, args, world, device):
 
 
 def build_run(args, rank, world, device):
-    """Load the model, reward and optimizer (and a checkpoint) -> (Run, first iteration)."""
-    prompts, metadata = load_prompts(args.prompts)
+    """Load the model, the rewards and prompts of every stage, the optimizer (and a checkpoint) -> (Run, first
+    iteration)."""
+    stages = [Stage(*stage) for stage in curriculum_stages(args)]
+    for stage in stages:
+        stage.prompts, stage.metadata = load_prompts(stage.args.prompts)
     eval_prompts, eval_metadata = load_prompts(args.eval_prompts) if args.eval_every else (None, None)
     family = load_family(args, device)
     # every prompt the run will meet, the empty one for CFG too, encoded once (the store is reused on resume)
-    family.encode_all(prompts + (eval_prompts or []) + [""], os.path.join(args.output_dir, "embeddings.pt"),
-                      write=rank == 0)
+    family.encode_all([p for stage in stages for p in stage.prompts] + (eval_prompts or []) + [""],
+                      os.path.join(args.output_dir, "embeddings.pt"), write=rank == 0)
     try:
-        # the reward models in the mixed-precision dtype on a GPU; float32 on the CPU (slow bf16 kernels there)
+        # the reward models in the mixed-precision dtype on a GPU; float32 on the CPU (slow bf16 kernels there).
+        # Every stage's at start, so that a missing model stops the run now; one copy per spec
         reward_dtype = AMP_DTYPES[args.mixed_precision] if device.type == "cuda" else None
-        reward_fn = rewards_lib.load_reward(args.reward, device, reward_dtype)
-        eval_spec = args.eval_rewards or args.reward  # the same spec: share the loaded models, not a second copy
-        eval_reward_fn = None if not args.eval_every else reward_fn if eval_spec == args.reward else \
-            rewards_lib.load_reward(eval_spec, device, reward_dtype)
+        loaded = {}
+        for spec in [stage.args.reward for stage in stages] + ([args.eval_rewards or args.reward]
+                                                               if args.eval_every else []):
+            if spec not in loaded:
+                loaded[spec] = rewards_lib.load_reward(spec, device, reward_dtype)
+        for stage in stages:
+            stage.reward_fn = loaded[stage.args.reward]
+        eval_reward_fn = loaded[args.eval_rewards or args.reward] if args.eval_every else None
     except rewards_lib.RewardError as e:
         raise UsageError(str(e)) from None
     add_trainable_weights(family, args)
@@ -1241,8 +1394,9 @@ def build_run(args, rank, world, device):
     scaler = torch.amp.GradScaler(device.type) if args.mixed_precision == "fp16" else None
     negative = family.encode([""]) if family.cfg and args.guidance > 1 else None
     sigmas = family.sigma_grid(args.sample_steps)
-    run = Run(args, family, model, optimizer, params, reward_fn, prompts, metadata, sigmas,
-              negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn)
+    run = Run(args, family, model, optimizer, params, stages[0].reward_fn, stages[0].prompts, stages[0].metadata,
+              sigmas, negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn,
+              stages=stages)
     if args.resume:
         load_training_state(args.resume, run)
     return run, start
@@ -1558,6 +1712,8 @@ def iteration_metrics(run, it, stats, r, A):
          "adv_mean": A_all.mean().item(), "adv_std": A_all.std(unbiased=False).item(),
          "adv_abs_max": A_all.abs().max().item()}
     m.update(reduce_stats(stats, run.world, run.device))
+    if len(run.stages) > 1:  # the curriculum's stage, 1-based
+        m["stage"] = next(k for k, s in enumerate(run.stages, 1) if s.start <= it < s.end)
     m["state_mb"] = state_bytes(run) / 2**20
     m["time_total"] = sum(m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update"))
     return m

@@ -230,6 +230,42 @@ def test_flux_dev_trains_with_a_clip_reward_on_2_processes_and_its_lora_loads_in
 
 
 @pytest.mark.slow
+def test_the_sd3_curriculum_runs_its_five_stages_with_every_reward_in_process_on_2_processes(hub_cache, tmp_path):
+    """--curriculum sd3's five stages, one iteration each (the only change: N_MC within 4 ODE steps), on the
+    stand-ins: every stage's reward (PickScore + HPSv2.1 + CLIPScore, GenEval's partial credit on the shipped
+    GenEval prompts, OCR on the shipped OCR prompts with the KL term) runs in this environment, the stage is
+    logged with every metric, and a GenEval evaluation reports GenEval's score per task."""
+    stages = [dict(stage, iterations=1, **({"n_mc": 2} if stage["preset"] != "sd3-preference" else {}))
+              for stage in vgrpo.CURRICULA["sd3"]]
+    (tmp_path / "short.json").write_text(json.dumps(stages))
+    evaluation = tmp_path / "geneval_eval.jsonl"   # GenEval's format: two tasks
+    evaluation.write_text("".join(json.dumps(line) + "\n" for line in [
+        {"tag": "single_object", "include": [{"class": "bench", "count": 1}], "prompt": "a photo of a bench"},
+        {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}], "prompt": "a photo of a red car"},
+    ]))
+    out = tmp_path / "run"
+    result = launch(os.path.join(ROOT, "vgrpo.py"), "--curriculum", tmp_path / "short.json", "--resolution", "32",
+                    "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", evaluation,
+                    "--eval-rewards", "geneval,geneval_partial", "--eval-every", "5", "--eval-images", "1",
+                    "--output-dir", out, nproc=2, cache=hub_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = read_jsonl(out / "metrics.jsonl")
+    assert [m["stage"] for m in lines] == [1, 2, 3, 4, 5] and [m["iteration"] for m in lines] == [1, 2, 3, 4, 5]
+    for m in (lines[0], lines[2]):                                    # the preference stages log their three parts
+        assert all(f"reward_{name}" in m for name in ("pickscore", "hpsv2", "clipscore"))
+    for m in lines[1], lines[3], lines[4]:                            # GenEval's partial credit, then OCR: in [0, 1]
+        assert 0 <= m["reward_mean"] <= 1 and "reward_pickscore" not in m
+    for number, text in ((2, "reward geneval_partial, prompts prompts/geneval_train.jsonl, N_MC 2, soft clip 0"),
+                         (5, "reward ocr, prompts prompts/ocr_train.txt, N_MC 2, soft clip 0, beta 0.3")):
+        assert f"vgrpo: stage {number}/5 " in result.stdout and text in result.stdout
+    evaluated = read_jsonl(out / "eval.jsonl")[-1]
+    assert evaluated["iteration"] == 5
+    assert {k for k in evaluated if k.startswith("eval_geneval/")} == {"eval_geneval/single_object",
+                                                                       "eval_geneval/colors"}
+    assert all(0 <= evaluated[k] <= 1 for k in ("eval_geneval", "eval_geneval_partial"))
+
+
+@pytest.mark.slow
 def test_ranks_whose_model_files_differ_refuse_to_start(hub_cache, hub_cache_other_seed, tmp_path):
     """The same flags on both ranks, but rank 1's cache holds other weights under the same id (a node with a
     different download): the check runs before DDP's broadcast would hide it."""

@@ -1,0 +1,153 @@
+"""The curriculum as one launch: --curriculum sd3 resolves to the paper's five stages, and a curriculum runs its
+stages in order (reward, prompts and settings switching at the right iterations), carries the weights across them,
+logs the stage and resumes inside the right one exactly as an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import vgrpo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+SMALL = ["--model", "tiny", "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "4",
+         "--lr", "3e-3", "--no-full-finetune", "--sample-every", "100"]
+
+REWARDS = '''
+def brightness(images, prompts):
+    return images.mean((1, 2, 3))
+
+
+def darkness(images, prompts):
+    return -images.mean((1, 2, 3))
+'''
+
+
+def test_the_sd3_curriculum_is_the_papers_five_stages():
+    args = vgrpo.parse_args(["--curriculum", "sd3"])
+    assert (args.model, args.iterations) == ("sd3", 580)
+    stages = vgrpo.curriculum_stages(args)
+    assert [(name, start, end) for name, start, end, _ in stages] == [
+        ("sd3-preference", 0, 150), ("sd3-geneval", 150, 350), ("sd3-preference", 350, 500),
+        ("sd3-geneval", 500, 550), ("sd3-ocr", 550, 580)]
+    settings = [(a.reward, os.path.basename(a.prompts), a.n_mc, a.adv_soft_clip, a.beta) for *_, a in stages]
+    preference = ("pickscore:1,hpsv2:1,clipscore:1", "train.txt", 4, 3.0, 0.0)   # SD3's recipe: N_MC 4, soft clip 3
+    geneval = ("geneval_partial", "geneval_train.jsonl", 10, 0.0, 0.0)             # ~10 pairs, no soft clip
+    assert settings == [preference, geneval, preference, geneval, ("ocr", "ocr_train.txt", 10, 0.0, 0.3)]
+    for *_, a in stages:   # everything else is the run's: the model's recipe
+        assert (a.model, a.group_size, a.prompts_per_step, a.iterations, a.lora_rank) == ("sd3", 24, 48, 580, 32)
+        assert os.path.isfile(a.prompts)   # the shipped prompt files
+    other = vgrpo.parse_args(["--curriculum", "sd3", "--stage-prompts", "sd3-geneval=mine.jsonl"])
+    assert [os.path.basename(a.prompts) for *_, a in vgrpo.curriculum_stages(other)] == [
+        "train.txt", "mine.jsonl", "train.txt", "mine.jsonl", "ocr_train.txt"]
+    # the printed configuration reproduces itself (it leaves out what the stages set)
+    import shlex
+    assert vgrpo.parse_args(shlex.split(vgrpo.command_line(args))) == args
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--curriculum", "sd3", "--reward", "jpeg"], "--curriculum sd3 sets --reward stage by stage"),
+    (["--curriculum", "sd3", "--iterations=10"], "sets --iterations stage by stage"),
+    (["--curriculum", "sd4"], "unknown --curriculum 'sd4': use sd3 or a .json file"),
+])
+def test_curriculum_flags_that_cannot_work_are_one_line(argv, message):
+    with pytest.raises(vgrpo.UsageError, match=message):
+        vgrpo.parse_args(argv)
+
+
+def test_bad_curriculum_files_and_stage_prompts_are_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    for content, message in (("[]", "stage 1: expected"), ('[{"iterations": 0}]', "stage 1: expected"),
+                             ('[{"iterations": 2, "lr": 1}]', "stage 1: expected"), ("{", "not JSON"),
+                             ('[{"iterations": 2, "preset": "sd9"}]', "stage 1: expected")):
+        bad.write_text(content)
+        with pytest.raises(vgrpo.UsageError, match=message):
+            vgrpo.parse_args(["--curriculum", str(bad)])
+    args = vgrpo.parse_args(["--curriculum", "sd3", "--stage-prompts", "sd3-nothing=a.txt",
+                             "--output-dir", str(tmp_path / "out")])
+    with pytest.raises(vgrpo.UsageError, match="--stage-prompts 'sd3-nothing=a.txt': expected PRESET=FILE"):
+        vgrpo.validate(args, 8)
+    args = vgrpo.parse_args(["--curriculum", "sd3", "--stage-prompts", "sd3-ocr=missing.txt",
+                             "--output-dir", str(tmp_path / "out")])
+    with pytest.raises(vgrpo.UsageError, match=r"prompt file not found: missing.txt \(stage sd3-ocr\)"):
+        vgrpo.validate(args, 8)
+    with pytest.raises(vgrpo.UsageError, match="--stage-prompts replaces .* give --curriculum"):
+        vgrpo.validate(vgrpo.parse_args(["--stage-prompts", "sd3-ocr=a.txt", "--output-dir", str(tmp_path)]), 1)
+
+
+def write_curriculum(tmp_path):
+    rewards = tmp_path / "rw.py"
+    rewards.write_text(REWARDS)
+    stages = [{"iterations": 2, "reward": "jpeg:100"},
+              {"iterations": 2, "reward": f"{rewards}:brightness", "n_mc": 2},
+              {"iterations": 3, "reward": f"jpeg:100,{rewards}:darkness", "n_mc": 3, "adv_soft_clip": 1.0}]
+    path = tmp_path / "curriculum.json"
+    path.write_text(json.dumps(stages))
+    return path
+
+
+def launch(*args):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "vgrpo.py"), *map(str, args)], env=ENV, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def read(path):
+    return [json.loads(line) for line in open(path) if line.strip()] if os.path.exists(path) else []
+
+
+@pytest.mark.slow
+def test_a_curriculum_switches_stages_and_resumes_inside_the_right_one_exactly(tmp_path):
+    """Three stages on the tiny model, 7 iterations: each stage's reward and N_MC at its own iterations, the weights
+    carried over; a run stopped by SIGTERM in stage 3 and continued with --resume auto ends with the same weights,
+    bit for bit, as the uninterrupted one."""
+    curriculum = write_curriculum(tmp_path)
+    command = [*SMALL, "--curriculum", curriculum, "--save-every", "1"]
+    full = launch(*command, "--output-dir", tmp_path / "full")
+    out, err = full.communicate(timeout=600)
+    assert full.returncode == 0, err[-3000:]
+    m = read(tmp_path / "full" / "metrics.jsonl")
+    assert [x["stage"] for x in m] == [1, 1, 2, 2, 3, 3, 3]
+    assert [x["iteration"] for x in m] == list(range(1, 8))
+    # stage 1's reward is jpeg alone, stage 2's brightness alone (in [0, 1]), stage 3 logs its two parts
+    assert all(x["reward_mean"] < 0 for x in m[:2]) and all(0 < x["reward_mean"] < 1 for x in m[2:4])
+    assert all("reward_darkness" in x and "reward_jpeg" in x for x in m[4:]) and "reward_jpeg" not in m[0]
+    assert all(x["adv_abs_max"] <= 1.0 for x in m[4:]) and any(x["adv_abs_max"] > 1.0 for x in m[:4])  # soft clip
+    for number, start in ((1, 1), (2, 3), (3, 5)):
+        assert f"vgrpo: stage {number}/3 " in out and f"iterations {start}.." in out
+    assert "N_MC 2" in out and "N_MC 3, soft clip 1" in out
+
+    part = tmp_path / "part"
+    proc = launch(*command, "--output-dir", part)
+    try:
+        deadline = time.time() + 300
+        while not any(x.get("stage") == 3 for x in read(part / "metrics.jsonl")):
+            assert time.time() < deadline and proc.poll() is None, "the run did not reach stage 3"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    stopped = len(read(part / "metrics.jsonl"))
+    assert 5 <= stopped < 7, stopped                                  # stopped inside stage 3
+    rest = launch(*command, "--output-dir", part, "--resume", "auto")
+    out, err = rest.communicate(timeout=600)
+    assert rest.returncode == 0, err[-3000:]
+    assert f"resumed from {part / f'checkpoint-{stopped}'}" in out and "vgrpo: stage 3/3" in out
+    assert "stage 1/3" not in out                                     # it went straight to the right stage
+    assert [x["stage"] for x in read(part / "metrics.jsonl")] == [1, 1, 2, 2, 3, 3, 3]
+    name = "pytorch_lora_weights.safetensors"
+    a, b = (load_file(os.path.join(d, "checkpoint-7", name)) for d in (tmp_path / "full", part))
+    start = load_file(tmp_path / "full" / "checkpoint-1" / name)
+    assert any(not torch.equal(a[k], start[k]) for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [x["reward_mean"] for x in read(part / "metrics.jsonl")] == [x["reward_mean"] for x in m]

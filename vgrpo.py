@@ -7,13 +7,14 @@ supports them (validation, model loading, tiny models, distributed helpers, chec
 Launch (each line runs as written; --model sd3 / flux default to the paper's recipe for that model, docs/method.md):
     torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore     # the SD3.5-M recipe with PickScore
     torchrun --nproc_per_node=8 vgrpo.py --preset sd3-preference            # its first curriculum stage
+    torchrun --nproc_per_node=8 vgrpo.py --curriculum sd3                   # its five-stage curriculum, one launch
     torchrun --nproc_per_node=8 vgrpo.py --model flux --prompts hpdv2.txt   # the FLUX.1-dev recipe with HPSv2
     torchrun --nnodes=2 --node_rank=$NODE_RANK --master_addr=$MASTER --master_port=29500 \
         --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore:1,clipscore:1
     torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore --resume auto   # continue after preemption
     python vgrpo.py --model sd3 --reward pickscore     # one GPU: the same recipe, 8x the time per iteration
-    python vgrpo.py                                    # CPU demo: tiny random SD3, JPEG reward, ~2.5 min
-    python vgrpo.py --model tiny-flux                  # the same with a tiny random FLUX
+    python vgrpo.py                                    # CPU demo: a pretrained digits SD3 learns the prompted digit
+    python vgrpo.py --model tiny-flux                  # a tiny random FLUX on a JPEG reward (what fast tests train)
 
 Where this code fills a gap in, or departs from, the paper:
  1. The advantage uses the population std plus 1e-4 (the paper does not say which std); a group whose
@@ -187,9 +188,10 @@ RECIPES = {
                    sample_steps=12, guidance=1.0, iterations=80, prompts_per_step=4, group_size=8, inner_steps=1,
                    adv_soft_clip=0.0, mixed_precision="no", gradient_checkpointing=False, full_finetune=False,
                    lr=1e-3, save_every=80, sample_batch=32, decode_batch=32),
-    "tiny": dict(_NO_EVAL, reward="jpeg:100", resolution=32, sample_steps=10, guidance=1.0, iterations=60, prompts_per_step=4,
-                 group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no", gradient_checkpointing=False,
-                 full_finetune=True, save_every=50, prompts="", sample_batch=16, decode_batch=16),
+    "tiny": dict(_NO_EVAL, reward="jpeg:100", resolution=32, sample_steps=10, guidance=1.0, iterations=60,
+                 prompts_per_step=4, group_size=8, inner_steps=1, adv_soft_clip=0.0, mixed_precision="no",
+                 gradient_checkpointing=False, full_finetune=True, save_every=50, prompts="", sample_batch=16,
+                 decode_batch=16),
 }
 RECIPES["tiny-flux"] = dict(RECIPES["tiny"], guidance=3.5, max_sequence_length=16)  # FLUX.1-dev's guidance value
 TRAIN_PROMPTS = os.path.join(HERE, "prompts", "train.txt")  # a real model's prompts when --prompts is not given
@@ -1931,6 +1933,8 @@ def evaluate(run, done):
     tag_sums, tag_counts = sums[len(names) + 1:-1].view(2, len(tags)).tolist() if tags else ([], [])
     first = rewards_lib.metric_name(names[0])
     m.update({f"eval_{first}/{t}": total / count for t, total, count in zip(tags, tag_sums, tag_counts)})
+    if tags:  # GenEval's overall score: the mean over its tasks, whatever their sizes
+        m[f"eval_{first}/mean_of_tags"] = sum(m[f"eval_{first}/{t}"] for t in tags) / len(tags)
     if not pictured:
         return m, None, [], None
     images, prompts, rewards = zip(*pictured)

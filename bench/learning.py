@@ -218,7 +218,8 @@ class Learner:
         self.args = types.SimpleNamespace(
             sampler="dpmpp2m", guidance=1.0, micro_batch=setup.micro_batch, sample_batch=setup.micro_batch,
             group_size=setup.group_size,
-            inner_steps=setup.inner_steps, n_mc=setup.n_mc, beta=0.0, clip_eps=setup.clip_eps, max_grad_norm=setup.max_grad_norm,
+            inner_steps=setup.inner_steps, n_mc=setup.n_mc, beta=0.0, clip_eps=setup.clip_eps,
+            max_grad_norm=setup.max_grad_norm,
             pair_sharing="none" if naive else "batch", stratified=not naive, weighting="none" if naive else "adaptive")
 
 
@@ -428,7 +429,8 @@ def main():
     setup = Setup(**{**(DIGITS_SETUP if a.reward == "digits" else {}), **json.loads(a.setup),
                      "iterations": a.iterations, "eval_every": a.eval_every, "eval_dense": a.eval_dense})
     methods = [spec(**m) for m in json.loads(a.methods)] if a.methods else None
-    result = run_job(a.reward, a.seed, setup, methods=methods, target_gain=a.target_gain, stop_at_target=not a.run_to_end)
+    result = run_job(a.reward, a.seed, setup, methods=methods, target_gain=a.target_gain,
+                     stop_at_target=not a.run_to_end)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"reward": a.reward, "seed": a.seed, "setup": dataclasses.asdict(setup), "target_gain": a.target_gain,

@@ -73,7 +73,8 @@ def run(seeds=3, draws=16, n_prompts=4, group_size=8, out=None, family=None, ste
         cv, gcv = torch.tensor(values).T
         spread = lambda t: f"{t.mean():.3f}" + (f" ± {t.std():.3f}" if len(t) > 1 else "")  # noqa: E731
         lines.append(f"| {name} | {spread(cv)} | {spread(gcv)} |")
-    text = (f"Pretrained digits SD3 (digits/pipeline), N_MC = 4, {steps}-step grid, {n_prompts} prompts x {group_size} images, "
+    text = (f"Pretrained digits SD3 (digits/pipeline), N_MC = 4, {steps}-step grid, "
+            f"{n_prompts} prompts x {group_size} images, "
             f"{draws} pair draws, {seeds} seed(s) (mean ± std over seeds).\n\n" + "\n".join(lines) + "\n")
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -293,7 +293,8 @@ def base_accuracy(pipe, judge, settings):
     digits = torch.tensor(digits)
     logistic, knn = judge.predict(images), judge.knn_predict(images)
     per_digit = [(logistic[digits == d] == d).float().mean().item() for d in range(10)]
-    return {"accuracy": (logistic == digits).float().mean().item(), "knn_accuracy": (knn == digits).float().mean().item(),
+    return {"accuracy": (logistic == digits).float().mean().item(),
+            "knn_accuracy": (knn == digits).float().mean().item(),
             "per_digit": [round(a, 3) for a in per_digit]}
 
 

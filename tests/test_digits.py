@@ -226,7 +226,8 @@ def test_user_rewards_may_return_a_list_an_array_or_a_tensor(value):
 
 @pytest.mark.parametrize("value,message", [([1.0, 2.0], r"returned list \(2,\)|not 4 numbers|shape \(4,\)"),
                                            (["a", "b", "c", "d"], "not 4 numbers"), (None, "NoneType"),
-                                           (torch.ones(4, 1), r"\(4, 1\)"), (torch.ones(4, dtype=torch.bool), "bool|Tensor")])
+                                           (torch.ones(4, 1), r"\(4, 1\)"),
+                                           (torch.ones(4, dtype=torch.bool), "bool|Tensor")])
 def test_a_reward_that_returns_something_else_is_named(value, message):
     fn = reward.WeightedReward([("mine", 1.0, lambda images, prompts: value)])
     with pytest.raises(reward.RewardError, match=f"reward 'mine'.*({message})"):
@@ -242,7 +243,8 @@ def test_pretraining_runs_end_to_end_in_quick_mode_and_its_pipeline_loads(tmp_pa
                        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.load(open(tmp_path / "pretrain.json"))["results"]
-    # 30 classifier steps in quick mode: 0.77 held-out accuracy (chance 1/11), 0.99 for the k-NN, which needs no training
+    # 30 classifier steps in quick mode: 0.77 held-out accuracy (chance 1/11); 0.99 for the k-NN, which needs no
+    # training
     assert results["classifier_held_out_accuracy"] > 0.5 and results["knn_held_out_accuracy"] > 0.9
     assert 0 <= results["accuracy"] <= 1
     family = vgrpo.load_family(vgrpo.Args(model=str(tmp_path / "pipeline")), torch.device("cpu"))

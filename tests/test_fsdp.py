@@ -20,8 +20,8 @@ import vgrpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-SMALL = ["--model", "tiny", "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "2", "--n-mc", "2",
-         "--sample-batch", "2", "--sample-every", "100", "--save-every", "1"]
+SMALL = ["--model", "tiny", "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--micro-batch", "2",
+         "--n-mc", "2", "--sample-batch", "2", "--sample-every", "100", "--save-every", "1"]
 pytestmark = pytest.mark.slow
 
 

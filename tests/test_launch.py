@@ -260,8 +260,9 @@ def test_the_sd3_curriculum_runs_its_five_stages_with_every_reward_in_process_on
         assert f"vgrpo: stage {number}/5 " in result.stdout and text in result.stdout
     evaluated = read_jsonl(out / "eval.jsonl")[-1]
     assert evaluated["iteration"] == 5
-    assert {k for k in evaluated if k.startswith("eval_geneval/")} == {"eval_geneval/single_object",
-                                                                       "eval_geneval/colors"}
+    tasks = {"eval_geneval/single_object", "eval_geneval/colors"}
+    assert {k for k in evaluated if k.startswith("eval_geneval/")} == {*tasks, "eval_geneval/mean_of_tags"}
+    assert evaluated["eval_geneval/mean_of_tags"] == pytest.approx(sum(evaluated[k] for k in tasks) / 2)
     assert all(0 <= evaluated[k] <= 1 for k in ("eval_geneval", "eval_geneval_partial"))
 
 

@@ -36,7 +36,8 @@ CPU = torch.device("cpu")
 # default 1e-8 Adam is scale-invariant and a missing 1/n in gradient accumulation would not show)
 ADAM_EPS = 1e-4
 SEED, IT = 7, 3  # not 0: a seed or iteration replaced by a constant 0 must show
-TINY = ["--model", "tiny", "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--n-mc", "2", "--seed", str(SEED)]
+TINY = ["--model", "tiny", "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--n-mc", "2",
+        "--seed", str(SEED)]
 
 
 # --------------------------------------------------------------------------- helpers: the calls into vgrpo

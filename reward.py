@@ -15,8 +15,8 @@ CLIP models without downloading anything.
 
 Registry names and their scale on a base model (SD3.5-M / FLUX.1-dev), so that weights can be chosen:
 pickscore ~0.22, clipscore ~0.3, hpsv2 ~0.28, aesthetic ~5.5, imagereward ~1.0, ocr ~0.6, jpeg ~-0.2.
-Optional packages: ocr needs `pip install rapidocr-onnxruntime`; imagereward needs `pip install image-reward`
-in an environment of its own (see load_imagereward). Missing ones raise RewardError naming the package.
+Optional package: ocr needs `pip install rapidocr-onnxruntime`; a missing one raises RewardError naming it.
+imagereward needs no package of its own: it runs ImageReward's checkpoint on transformers' BLIP (load_imagereward).
 """
 
 import inspect
@@ -327,31 +327,209 @@ def load_aesthetic(device, dtype=None):
     return aesthetic_reward(model, processor, mlp, device, dtype)
 
 
-def load_imagereward(device, dtype=None):
-    """ImageReward-v1.0 (Xu et al. 2023): BLIP ViT-L + BERT cross-attention + MLP, trained on 137k expert
-    comparisons; the package standardises the score (mean 0, std 1 over its training set).
+# ImageReward-v1.0 in-process on transformers' BLIP. THUDM/ImageReward's ImageReward.pt is the state dict of the
+# package's `ImageReward` module: BLIP's ViT-L/16 (timm's ViT as BLIP builds it, LayerNorm eps 1e-6, 16 heads of 64)
+# at 224 px, BLIP's BERT-base with cross-attention to the image tokens (med.py; its med_config.json: vocab 30524 =
+# bert-base-uncased + [DEC] + [ENC], LayerNorm eps 1e-12), and an MLP head of the aesthetic predictor's layout on the
+# text's first ([CLS]) output. transformers' BlipVisionModel and BlipTextModel are ports of those two modules.
+IMAGEREWARD_REPO, IMAGEREWARD_FILE, IMAGEREWARD_CONFIG = "THUDM/ImageReward", "ImageReward.pt", "med_config.json"
+IMAGEREWARD_TOKENIZER = "bert-base-uncased"
+IMAGEREWARD_MEAN, IMAGEREWARD_STD = 0.16717362830052426, 1.0333394966054072   # the package's standardisation
+IMAGEREWARD_TOKENS = 35           # its score(): padding="max_length", truncation=True, max_length=35
+IMAGEREWARD_PIXEL_MEAN = (0.48145466, 0.4578275, 0.40821073)    # its transform normalises with CLIP's mean and std
+IMAGEREWARD_PIXEL_STD = (0.26862954, 0.26130258, 0.27577711)
+BLIP_VIT_HEAD_DIM = 64            # BLIP's ViTs (B/16 768 / 12, L/16 1024 / 16); the head count is not in the weights
+BLIP_VIT_EPS = 1e-6               # timm's ViT LayerNorm as BLIP builds it (BlipVisionConfig's default is 1e-5)
+# left over after renaming and allowed to be: BLIP's contrastive projections, which the score does not use, and
+# med.py's position_ids buffer (persistent there, recomputed by transformers)
+IMAGEREWARD_UNUSED = ("blip.vision_proj.", "blip.text_proj.", "blip.text_encoder.embeddings.position_ids")
+# ImageReward.pt's names -> ImageRewardModel's, by prefix: the ViT's take timm's names to BlipVisionModel's (the
+# same fused qkv layout), BLIP's BERT is BlipTextModel name for name, the head's `layers.*` are AestheticMLP's
+_IMAGEREWARD_NAMES = [("blip.visual_encoder.cls_token", "vision.embeddings.class_embedding"),
+                      ("blip.visual_encoder.pos_embed", "vision.embeddings.position_embedding"),
+                      ("blip.visual_encoder.patch_embed.proj.", "vision.embeddings.patch_embedding."),
+                      ("blip.visual_encoder.norm.", "vision.post_layernorm."),
+                      ("blip.visual_encoder.blocks.", "vision.encoder.layers."),
+                      ("blip.text_encoder.", "text."), ("mlp.", "head.")]
+_BLIP_VIT_BLOCK_NAMES = [("norm1.", "layer_norm1."), ("attn.qkv.", "self_attn.qkv."),
+                         ("attn.proj.", "self_attn.projection."), ("norm2.", "layer_norm2."), ("mlp.", "mlp.")]
 
-    Scale: about 0.9-1.0 for SD3.5-M / FLUX.1-dev images, 1.3-1.6 after preference RL.
-    The `image-reward` package (1.5) imports torchvision, OpenAI's `clip`, timm==0.6.13, fairscale and helpers
-    that transformers 5 removed, so it does not import next to this project's requirements: install it in an
-    environment of its own and serve it with `http_reward`, or here if your stack is older.
+
+def imagereward_key(key, to_imagereward=False):
+    """One of ImageReward.pt's keys -> ImageRewardModel's (or back); None for a key outside both layouts."""
+    pairs = [(b, a) for a, b in _IMAGEREWARD_NAMES] if to_imagereward else _IMAGEREWARD_NAMES
+    blocks = [(b, a) for a, b in _BLIP_VIT_BLOCK_NAMES] if to_imagereward else _BLIP_VIT_BLOCK_NAMES
+    for src, dst in pairs:
+        if key.startswith(src):
+            rest = key[len(src):]
+            if not src.endswith(("blocks.", "layers.")):
+                return dst + rest
+            index, _, name = rest.partition(".")                    # '3', 'attn.qkv.weight'
+            inner = next((d + name[len(s):] for s, d in blocks if name.startswith(s)), None)
+            return None if inner is None or not index.isdigit() else f"{dst}{index}.{inner}"
+    return None
+
+
+class ImageRewardModel(torch.nn.Module):
+    """ImageReward's scorer: image tokens from the ViT, the prompt's BERT cross-attending to all of them, the head
+    on the [CLS] output, standardised. The head stays float32 (ImageReward casts the features to float first)."""
+
+    def __init__(self, vision_config, text_config):
+        from transformers import BlipTextModel, BlipVisionModel
+
+        super().__init__()
+        self.vision = BlipVisionModel(vision_config)
+        self.text = BlipTextModel(text_config, add_pooling_layer=False)
+        self.head = AestheticMLP(text_config.hidden_size)
+        self.image_size = vision_config.image_size
+
+    def forward(self, pixel_values, input_ids, attention_mask):
+        image_tokens = self.vision(pixel_values=pixel_values).last_hidden_state
+        # is_decoder=False: bidirectional self-attention, as ImageReward runs its BERT (the config's is_decoder only
+        # makes transformers build the cross-attention layers); no encoder mask: every image token is attended to
+        out = self.text(input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=image_tokens,
+                        is_decoder=False)
+        features = out.last_hidden_state[:, 0].float()
+        return (self.head(features).squeeze(-1) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD
+
+
+def _imagereward_error(source, what):
+    return RewardError(f"reward 'imagereward': {source} is not ImageReward's checkpoint ({what}); it needs "
+                       f"{IMAGEREWARD_FILE} and {IMAGEREWARD_CONFIG} of {IMAGEREWARD_REPO} "
+                       f"(`hf download {IMAGEREWARD_REPO} {IMAGEREWARD_FILE} {IMAGEREWARD_CONFIG}`)")
+
+
+def imagereward_model(state_dict, med_config, vision_heads=None, source=IMAGEREWARD_FILE):
+    """ImageRewardModel from ImageReward.pt's state dict and med_config.json's dict, every weight checked.
+
+    ImageReward builds its ViT in code (ViT-L/16 at 224 px), so its sizes are read from the weights' shapes, with
+    heads of BLIP_VIT_HEAD_DIM unless `vision_heads` says otherwise; the BERT's come from med_config, whose
+    encoder width BLIP replaces with the ViT's. Every key must land in the model and every model weight must come
+    from the file, except IMAGEREWARD_UNUSED: anything else is a RewardError of one line.
     """
+    from transformers import BlipTextConfig, BlipVisionConfig
+
+    renamed, unexpected = {}, []
+    for key, value in state_dict.items():
+        new = None if key.startswith(IMAGEREWARD_UNUSED) else imagereward_key(key)
+        if new is not None:
+            renamed[new] = value.float() if value.is_floating_point() else value
+        elif not key.startswith(IMAGEREWARD_UNUSED):
+            unexpected.append(key)
+    needed = ["vision.embeddings.class_embedding", "vision.embeddings.position_embedding",
+              "vision.embeddings.patch_embedding.weight", "vision.encoder.layers.0.mlp.fc1.weight"]
+    absent = [imagereward_key(k, to_imagereward=True) for k in needed if k not in renamed]
+    if absent:
+        raise _imagereward_error(source, f"no {', '.join(absent)}")
+    width, positions = renamed[needed[0]].shape[-1], renamed[needed[1]].shape[1]
+    patch = renamed[needed[2]].shape[-1]
+    layers = 1 + max(int(k.split(".")[3]) for k in renamed if k.startswith("vision.encoder.layers."))
+    heads = vision_heads or max(1, width // BLIP_VIT_HEAD_DIM)
+    vision = BlipVisionConfig(hidden_size=width, intermediate_size=renamed[needed[3]].shape[0],
+                              num_hidden_layers=layers, num_attention_heads=heads,
+                              image_size=round((positions - 1) ** 0.5) * patch, patch_size=patch, hidden_act="gelu",
+                              layer_norm_eps=BLIP_VIT_EPS)
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "max_position_embeddings", "hidden_act", "layer_norm_eps", "pad_token_id")
+    if [k for k in sizes if k not in med_config]:
+        raise _imagereward_error(source, f"{IMAGEREWARD_CONFIG} lacks {[k for k in sizes if k not in med_config]}")
+    # is_decoder=True builds the cross-attention layers; generation ids are unused (None keeps tiny vocabularies valid)
+    text = BlipTextConfig(**{k: med_config[k] for k in sizes}, encoder_hidden_size=width, is_decoder=True,
+                          use_cache=False, bos_token_id=None, eos_token_id=None, sep_token_id=None)
+    model = ImageRewardModel(vision, text)
     try:
-        import ImageReward as RM
-    except ImportError as e:
-        raise RewardError(f"reward 'imagereward' needs the image-reward package, which failed to import ({e}); "
-                          "pip install image-reward in an environment of its own (it needs torchvision and "
-                          "transformers 4) and serve it with the README's HTTP protocol: "
-                          "--reward http://host:port/imagereward") from None
-    model = RM.load("ImageReward-v1.0", device=device).eval()
+        result = model.load_state_dict(renamed, strict=False)
+    except RuntimeError as e:                                       # shapes that disagree with med_config or heads
+        raise _imagereward_error(source, str(e).strip().splitlines()[-1].strip()) from None
+    unexpected += [imagereward_key(k, True) or k for k in result.unexpected_keys]
+    missing = [imagereward_key(k, True) or k for k in result.missing_keys]
+    if missing or unexpected:
+        raise _imagereward_error(source, f"{len(missing)} keys missing {missing[:3]}, "
+                                         f"{len(unexpected)} unexpected {unexpected[:3]}")
+    return model.eval().requires_grad_(False)
+
+
+def imagereward_tokenizer(tokenizer):
+    """bert-base-uncased as BLIP's init_tokenizer sets it up for ImageReward: [DEC] added as the bos token and [ENC]
+    as an additional special token (ids 30522 and 30523 of med_config's 30524). Prompts never produce them unless
+    they contain the literal text, and then ImageReward's tokenizer does the same."""
+    tokenizer.add_special_tokens({"bos_token": "[DEC]"})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[ENC]"]})
+    return tokenizer
+
+
+def imagereward_pixel_values(images, size=224):
+    """(B, 3, H, W) floats in [0, 1] -> ImageReward's pixel values (B, 3, size, size), float32, on the CPU.
+
+    ImageReward's transform on the uint8 picture: torchvision's Resize(size, bicubic), the shorter side to `size`
+    and the longer to int(size * long / short), untouched when already so; CenterCrop(size), whose offsets
+    torchvision rounds with Python's round (half to even); ToTensor; CLIP's mean and std. torchvision resizes a
+    PIL image with PIL, so PIL does it here too and the pixels are ImageReward's exactly (tensor resampling is up
+    to 2 levels off, clip_pixel_values); about a millisecond per image, next to the ViT-L's forward.
+    """
+    import numpy as np
+    from PIL import Image
+
+    pictures = []
+    for picture in to_uint8_images(images):
+        w, h = picture.size
+        new_long = int(size * max(w, h) / min(w, h))
+        nw, nh = (size, new_long) if w <= h else (new_long, size)
+        if (nw, nh) != (w, h):
+            picture = picture.resize((nw, nh), Image.BICUBIC)
+        top, left = int(round((nh - size) / 2.0)), int(round((nw - size) / 2.0))
+        pictures.append(torch.from_numpy(np.asarray(picture.crop((left, top, left + size, top + size))).copy()))
+    x = torch.stack(pictures).permute(0, 3, 1, 2).float() / 255
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (IMAGEREWARD_PIXEL_MEAN, IMAGEREWARD_PIXEL_STD))
+    return (x - mean) / std
+
+
+def imagereward_reward(model, tokenizer, device, dtype=torch.float32):
+    """Reward = ImageReward's standardised score for an ImageRewardModel and its tokenizer, the batch in one
+    forward: the ViT and BERT run in `dtype` on `device`, the head in float32."""
+    dtype = dtype or torch.float32
+    model.vision.to(device, dtype)
+    model.text.to(device, dtype)
+    model.head.to(device, torch.float32)
 
     @torch.no_grad()
     def fn(images, prompts):
-        # one prompt per image: score(prompt, [image]) standardises exactly as ImageReward reports it
-        pil = to_uint8_images(images)
-        return torch.tensor([float(model.score(p, im)) for p, im in zip(prompts, pil)], dtype=torch.float32)
+        pixels = imagereward_pixel_values(images, model.image_size).to(device, dtype)
+        tokens = tokenizer(list(prompts), padding="max_length", truncation=True, max_length=IMAGEREWARD_TOKENS,
+                           return_tensors="pt")
+        scores = model(pixels, tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
+        return scores.float().cpu()
 
     return fn
+
+
+def load_imagereward(device, dtype=None):
+    """ImageReward-v1.0 (Xu et al. 2023): BLIP ViT-L + BERT cross-attention + MLP, trained on 137k expert
+    comparisons; the score is standardised as the package reports it (mean 0, std 1 over its training set).
+
+    Scale: about 0.9-1.0 for SD3.5-M / FLUX.1-dev images, 1.3-1.6 after preference RL.
+    Runs in-process on transformers' BLIP (no `image-reward` package, whose imports need torchvision and
+    transformers 4): ImageReward.pt and med_config.json from THUDM/ImageReward, the bert-base-uncased tokenizer.
+    tests/test_imagereward.py checks it against ImageReward's own code (tests/fixtures/imagereward).
+    """
+    import json
+
+    from transformers import BertTokenizer
+
+    path = _hub_file(IMAGEREWARD_REPO, IMAGEREWARD_FILE, "imagereward")
+    with open(_hub_file(IMAGEREWARD_REPO, IMAGEREWARD_CONFIG, "imagereward")) as f:
+        med_config = json.load(f)
+    try:
+        tokenizer = imagereward_tokenizer(BertTokenizer.from_pretrained(IMAGEREWARD_TOKENIZER))
+    except (OSError, ValueError) as e:
+        raise RewardError(f"reward 'imagereward' needs the {IMAGEREWARD_TOKENIZER} tokenizer, which could not be "
+                          f"loaded ({type(e).__name__}); download it first (`hf download {IMAGEREWARD_TOKENIZER} "
+                          "--include '*.txt' '*.json'`) or run with network access") from None
+    if len(tokenizer) > med_config.get("vocab_size", 0):
+        raise RewardError(f"reward 'imagereward': the tokenizer has {len(tokenizer)} tokens with [DEC] and [ENC], "
+                          f"more than the {med_config.get('vocab_size')} of {IMAGEREWARD_CONFIG}")
+    model = imagereward_model(torch.load(path, map_location="cpu", weights_only=True), med_config, source=path)
+    return imagereward_reward(model, tokenizer, device, dtype)
 
 
 # --------------------------------------------------------------------------- handwritten digits (the CPU demo's task)

@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def hub_cache(tmp_path_factory):
-    """A Hugging Face cache directory (str) holding every stand-in with seed 0, built once per session (~5 s, 11 MB)."""
+    """A Hugging Face cache directory (str) holding every stand-in with seed 0, built once per session (~5 s, 13 MB)."""
     from tests import hub_standins
 
     return hub_standins.build_hub_cache(str(tmp_path_factory.mktemp("hub_seed0")), seed=0)

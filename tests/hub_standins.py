@@ -1,6 +1,6 @@
 """Offline stand-ins for every model vgrpo and reward.py load by name, written in the Hugging Face cache layout.
 
-    python tests/hub_standins.py /tmp/hub             # 5-15 s on a CPU, 11 MB
+    python tests/hub_standins.py /tmp/hub             # 5-15 s on a CPU, 13 MB
     HF_HUB_CACHE=/tmp/hub HF_HUB_OFFLINE=1 python vgrpo.py --model sd3 --reward pickscore --mixed-precision no \
         --resolution 64 --sample-steps 4 --prompts-per-step 2 --group-size 4 --iterations 2
 
@@ -13,10 +13,11 @@ Each stand-in keeps what the loaders and pipelines depend on: the real classes, 
 SD3.5 and the two of FLUX.1 with tokenizers at their real lengths (CLIP 77, T5 up to 512), 16 latent channels
 behind an 8x VAE with the real scaling and shift factors, SD3.5's patch size 2, RMS qk-norm and dual-attention
 block, FLUX.1's packed 64-channel input, guidance embedding and resolution-dependent shift, CLIP image
-processors at 224 px with CLIP's mean and std, the OpenCLIP checkpoint format of HPSv2.1 and the state dict of
-the LAION aesthetic head. Widths are near 32 and there are 1-2 layers, so a process loads SD3 and PickScore
-in a few seconds. Weights are a function of `seed` alone: two caches with different seeds differ in every
-randomly drawn tensor (norms start at 1 in both), the same seed gives the same bytes.
+processors at 224 px with CLIP's mean and std, the OpenCLIP checkpoint format of HPSv2.1, the state dict of
+the LAION aesthetic head, and ImageReward.pt's layout with med_config.json and a bert-base-uncased tokenizer.
+Widths are near 32 and there are 1-2 layers, so a process loads SD3 and PickScore in a few seconds. Weights
+are a function of `seed` alone: two caches with different seeds differ in every randomly drawn tensor (norms
+start at 1 in both), the same seed gives the same bytes.
 """
 
 import argparse
@@ -286,6 +287,65 @@ COCO_NAMES = [{"computer mouse": "mouse", "tv remote": "remote", "computer keybo
               for name in reward.GENEVAL_CLASSES]
 
 
+def bert_vocabulary():
+    """A WordPiece vocabulary in bert-base-uncased's format: [PAD] at 0 (ImageReward's med_config pad_token_id),
+    BERT's other special tokens, lowercase characters and digits, their ## continuations, a few whole words."""
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789") + list("!,.'-?\"")
+    words = ["the", "of", "and", "in", "on", "with", "cat", "dog", "red", "blue", "photo", "house", "sea", "city"]
+    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars[:36]] + words
+
+
+def build_bert_uncased(directory, seed):
+    """bert-base-uncased (ImageReward's tokenizer): vocab.txt and tokenizer_config.json as in the real repository,
+    with the small vocabulary above (the real one has 30522 entries; reward.py adds [DEC] and [ENC] to either)."""
+    import json
+
+    with open(os.path.join(directory, "vocab.txt"), "w") as f:
+        f.write("\n".join(bert_vocabulary()) + "\n")
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"do_lower_case": True, "model_max_length": 512}, f)
+
+
+def build_imagereward(directory, seed):
+    """THUDM/ImageReward: ImageReward.pt, the package's state dict (blip.visual_encoder.* in timm's names,
+    blip.text_encoder.*, the unused blip.vision_proj / text_proj, med.py's position_ids, mlp.layers.*) in
+    float32, and med_config.json with the real file's keys. A ViT of width 64 (one head of BLIP's 64) and one
+    layer at the real 224 px and 16 px patches; a one-layer BERT of width 32 over bert_vocabulary + [DEC] + [ENC].
+    Names are written with reward.imagereward_key; tests/test_imagereward.py checks them against the key layout
+    of the fixture that ImageReward's own code saved. Weights are drawn at scales that keep every part's output
+    near unit size, so the score depends on the image and the prompt (the default BLIP inits start near zero)."""
+    import json
+
+    from transformers import BlipTextConfig, BlipVisionConfig
+
+    med_config = {"architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
+                  "hidden_dropout_prob": 0.1, "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
+                  "layer_norm_eps": 1e-12, "max_position_embeddings": 64, "model_type": "bert",
+                  "num_attention_heads": 2, "num_hidden_layers": 1, "pad_token_id": 0, "type_vocab_size": 2,
+                  "vocab_size": len(bert_vocabulary()) + 2, "encoder_width": 768, "add_cross_attention": True}
+    vision = BlipVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=1,
+                              image_size=224, patch_size=16, layer_norm_eps=reward.BLIP_VIT_EPS)
+    text = BlipTextConfig(vocab_size=med_config["vocab_size"], hidden_size=32, encoder_hidden_size=64,
+                          intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64,
+                          is_decoder=True, bos_token_id=None, eos_token_id=None, sep_token_id=None)
+    with seeded(seed, "imagereward"):
+        model = reward.ImageRewardModel(vision, text)
+        for name, param in model.named_parameters():
+            if name.endswith("weight") and param.dim() >= 2:           # Linear, Conv2d, Embedding: fan-in scaled
+                torch.nn.init.normal_(param, std=param[0].numel() ** -0.5)
+            elif name.endswith(("class_embedding", "position_embedding")):
+                torch.nn.init.normal_(param, std=0.02)
+        state_dict = {reward.imagereward_key(k, to_imagereward=True): v.detach().clone()
+                      for k, v in model.state_dict().items()}
+        for name, width in (("vision_proj", 64), ("text_proj", 32)):   # BLIP's contrastive projections to 256
+            state_dict[f"blip.{name}.weight"], state_dict[f"blip.{name}.bias"] = torch.randn(256, width) / 8, \
+                torch.zeros(256)
+        state_dict["blip.text_encoder.embeddings.position_ids"] = torch.arange(64)[None]
+    torch.save(state_dict, os.path.join(directory, reward.IMAGEREWARD_FILE))
+    with open(os.path.join(directory, reward.IMAGEREWARD_CONFIG), "w") as f:
+        json.dump(med_config, f, indent=2)
+
+
 STANDINS = {
     MODEL_IDS["sd3"]: build_sd3,
     MODEL_IDS["flux"]: build_flux,
@@ -295,6 +355,8 @@ STANDINS = {
     reward.HPS_REPO: build_hpsv2,
     reward.AESTHETIC_REPO: build_aesthetic,
     reward.GENEVAL_DETECTOR: build_mask2former,
+    reward.IMAGEREWARD_REPO: build_imagereward,
+    reward.IMAGEREWARD_TOKENIZER: build_bert_uncased,
 }
 
 

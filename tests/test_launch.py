@@ -7,6 +7,7 @@ of tiny stand-ins (hub_standins.py), on as many processes as it says, and its Lo
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -206,9 +207,10 @@ def test_the_main_command_trains_sd35_medium_on_8_processes_and_its_lora_loads_i
 
 
 @pytest.mark.slow
-def test_flux_dev_trains_with_a_clip_reward_on_2_processes_and_its_lora_loads_into_flux_pipeline(hub_cache, tmp_path):
+def test_flux_preference_trains_flux_dev_on_2_processes_and_its_lora_loads_into_flux_pipeline(hub_cache, tmp_path):
+    """--preset flux-preference: FLUX.1-dev on HPSv2.1 + PickScore + ImageReward, all three in this process."""
     out = tmp_path / "run"
-    result = launch(os.path.join(ROOT, "vgrpo.py"), "--model", "flux", "--reward", "clipscore", *SHRINK,
+    result = launch(os.path.join(ROOT, "vgrpo.py"), "--preset", "flux-preference", *SHRINK,
                     "--prompts-per-step", "2", "--group-size", "4", "--inner-steps", "2", "--output-dir", out,
                     nproc=2, cache=hub_cache)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -216,7 +218,11 @@ def test_flux_dev_trains_with_a_clip_reward_on_2_processes_and_its_lora_loads_in
     assert (config["guidance"], config["mixed_precision"], config["gradient_checkpointing"]) == (3.5, "bf16", True)
     lines = read_jsonl(out / "metrics.jsonl")
     assert len(lines) == 2 and all(m["grad_norm"] > 0 and m["skipped_steps"] == 0 for m in lines)
-    assert all(-1 <= m["reward_mean"] <= 1 for m in lines)                   # a cosine
+    for m in lines:   # HPSv2.1 a cosine, PickScore a cosine x logit_scale / 26, ImageReward standardised
+        assert -1 <= m["reward_hpsv2"] <= 1 and -1 <= m["reward_pickscore"] <= 1
+        assert math.isfinite(m["reward_imagereward"]) and m["reward_imagereward"] != 0
+        assert m["reward_mean"] == pytest.approx(m["reward_hpsv2"] + m["reward_pickscore"] + m["reward_imagereward"],
+                                                 abs=1e-5)
     code = (f"import torch; from diffusers import FluxPipeline as P; p = P.from_pretrained("
             f"'black-forest-labs/FLUX.1-dev'); g = lambda: p('a cat', num_inference_steps=2, height=32, width=32, "
             f"output_type='pt', generator=torch.Generator().manual_seed(0)).images; "

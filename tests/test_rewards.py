@@ -393,9 +393,9 @@ def test_hpsv2_conversion_matches_openclip():
 # --------------------------------------------------------------------------- errors name what is missing
 
 
-@pytest.mark.parametrize("name,package", [("ocr", "rapidocr-onnxruntime"), ("imagereward", "image-reward")])
+@pytest.mark.parametrize("name,package", [("ocr", "rapidocr-onnxruntime")])
 def test_missing_optional_package_is_one_line(monkeypatch, name, package):
-    monkeypatch.setitem(sys.modules, {"ocr": "rapidocr_onnxruntime", "imagereward": "ImageReward"}[name], None)
+    monkeypatch.setitem(sys.modules, {"ocr": "rapidocr_onnxruntime"}[name], None)
     with pytest.raises(reward.RewardError, match=f"pip install {package}") as e:
         reward.load_reward(name)
     assert "\n" not in str(e.value)

@@ -951,7 +951,7 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
           "--iterations", "4"],
          "belongs to a different configuration: --lora-rank 32 there, 8 here"),
         (["--prompts", tmp_path / "bad.jsonl"], 'line 2: expected an object with a "prompt" string'),
-        (["--eval-every", "2"], "--eval-every needs --eval-prompts"),
+        (["--model", "tiny", "--eval-every", "2"], "--eval-every needs --eval-prompts"),
         (["--mixed-precision", "fp8"], "unknown --mixed-precision 'fp8'"),
         (["--preset", "sd4"], "unknown --preset 'sd4': valid choices are sd3-preference"),
         (["--reward", "jpeg:1,jpeg:2"], "a reward is named twice"),

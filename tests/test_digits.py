@@ -247,6 +247,6 @@ def test_pretraining_runs_end_to_end_in_quick_mode_and_its_pipeline_loads(tmp_pa
     # training
     assert results["classifier_held_out_accuracy"] > 0.5 and results["knn_held_out_accuracy"] > 0.9
     assert 0 <= results["accuracy"] <= 1
-    family = vgrpo.load_family(vgrpo.Args(model=str(tmp_path / "pipeline")), torch.device("cpu"))
+    family = vgrpo.load_family(vgrpo.Args(model=str(tmp_path / "pipeline"), resolution=16), torch.device("cpu"))
     assert family.pipe.text_encoder_3 is None and family.latent_shape == (4, 8, 8)
     assert reward.DigitJudge.load(str(tmp_path / "classifiers.safetensors")).k == 5

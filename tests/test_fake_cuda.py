@@ -1,0 +1,258 @@
+"""The fake-CUDA tier: vgrpo's --device cuda paths run on a CPU-only torch with fake CUDA tensors (tests/fake_cuda.py:
+what it relies on and what it cannot see). A whole iteration (start_run, train_iteration, iteration_metrics,
+record) per configuration, the evaluation and the checkpoint, in strict mode: any op that mixes a non-scalar CPU
+tensor with a CUDA one fails the test with the op and its call site. And the iteration's device-to-host
+synchronisations and host-to-device copies, which must not grow with the micro-batches or the ODE steps.
+
+    python -m pytest -q -m fake_cuda      # about 50 s on 2 CPU cores (20 s of it building the library once);
+                                          # skips with one line if it cannot be built (no C++ compiler, a CUDA torch)
+
+The scenarios (the functions below the tests) run in one worker subprocess started with the fake CUDA library in
+LD_PRELOAD (the CUDA hooks must exist before torch is imported); each test calls one and checks what it returns.
+"""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.fake_cuda
+
+# small shapes of each real configuration (the stand-ins of tests/hub_standins.py): whole iterations in seconds
+SMALL = ["--resolution", "64", "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--n-mc", "2"]
+CONFIGS = {
+    "tiny": ["--model", "tiny", "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4"],
+    "tiny-flux": ["--model", "tiny-flux", "--sample-steps", "4", "--prompts-per-step", "2", "--group-size", "4"],
+    # the SD3.5-M recipe: LoRA, bf16, gradient checkpointing, PickScore
+    "sd3-lora-bf16-pickscore": ["--model", "sd3", "--reward", "pickscore", *SMALL],
+    # CFG (two passes per step), fp16 with the GradScaler, three rewards normalised one by one
+    "sd3-cfg-fp16-three-rewards": ["--model", "sd3", *SMALL, "--guidance", "4.5", "--mixed-precision", "fp16",
+                                   "--reward", "pickscore:1,clipscore:1,aesthetic:0.5",
+                                   "--reward-advantage", "per-reward"],
+    "sd3-full-finetune": ["--model", "sd3", "--reward", "pickscore", *SMALL, "--full-finetune"],
+    # the FLUX.1-dev recipe's shape of update: several inner steps (the old-surrogate pass) and the KL term
+    "flux-2-inner-steps-kl": ["--model", "flux", "--reward", "hpsv2", *SMALL, "--inner-steps", "2", "--beta", "0.3"],
+}
+
+
+@pytest.fixture(scope="module")
+def worker(hub_cache):
+    from tests import fake_cuda
+
+    library, why = fake_cuda.build_library()
+    if library is None:
+        pytest.skip(why)
+    env = {"HF_HUB_CACHE": hub_cache, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    with fake_cuda.Worker(library, env) as w:
+        yield w
+
+
+def call(worker, scenario, **kwargs):
+    return worker.call(__name__, scenario, **kwargs)
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_one_iteration_on_fake_cuda_keeps_every_tensor_on_the_gpu(worker, tmp_path, name):
+    got = call(worker, "one_iteration", flags=CONFIGS[name], output_dir=str(tmp_path))
+    assert got["device"] == "cuda:0"
+    assert got["mixes"] == []
+    assert got["trainable_devices"] == ["cuda"]           # every trained weight, and the AdamW states
+    assert got["optimizer_devices"] == ["cuda"] and got["fused"]
+    assert got["stats_device"] == "cuda" and got["images_device"] == "cuda"
+    assert got["metrics"]["iteration"] == 1 and got["metrics"]["skipped_steps"] == 0
+    assert got["logged_iterations"] == [1]                # record() wrote metrics.jsonl and the sample grid
+    assert got["sample_grid"]
+    # a pageable non_blocking copy is synchronous on a GPU: every host-to-device copy that asks to overlap must
+    # come from pinned memory
+    assert got["counts"].get("h2d_pageable_non_blocking", 0) == 0
+    if "fp16" in name:
+        assert got["scaler"] and got["metrics"]["loss_scale"] == 0.5   # read from the device, once
+    if "inner-steps" in name:
+        assert got["old_pass_rows"] > 0
+
+
+def test_the_evaluation_runs_on_fake_cuda(worker, tmp_path):
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps({"prompt": p, "tag": t}) + "\n" for p, t in
+                                 [("a red cube", "colour"), ("two cats", "count"), ("a blue ball", "colour")]))
+    flags = [*CONFIGS["tiny"], "--eval-prompts", str(eval_file), "--eval-every", "1", "--eval-images", "2",
+             "--eval-rewards", "jpeg"]
+    got = call(worker, "evaluation", flags=flags, output_dir=str(tmp_path / "out"))
+    assert got["mixes"] == []
+    assert got["eval"]["iteration"] == 0 and set(got["eval"]) >= {"eval_jpeg", "eval_jpeg/colour", "eval_jpeg/count"}
+    assert got["eval_images"] == 6
+
+
+def test_the_checkpoint_gathers_the_trained_weights_to_the_host(worker, tmp_path):
+    got = call(worker, "checkpoint", flags=CONFIGS["sd3-lora-bf16-pickscore"], output_dir=str(tmp_path))
+    assert got["mixes"] == []
+    assert got["weights"] and got["weight_devices"] == ["cpu"]
+    # one device-to-host copy per LoRA tensor: trained_weights gathers tensor by tensor
+    assert got["counts"]["d2h_sync"] == got["weights"]
+    assert got["files"] == ["optimizer.pt", "pytorch_lora_weights.safetensors", "state.json"]
+    assert got["restored_iteration"] == 1 and got["lora_devices"] == ["cuda"]   # loaded back onto the GPU
+    assert got["optimizer"] == "restored"
+
+
+def test_strict_mode_fails_on_an_op_mixing_a_cpu_array_with_a_cuda_tensor(worker):
+    got = call(worker, "mixing_ops")
+    assert got["strict_add"].startswith("DeviceMixError: aten.add.Tensor mixes cuda(3,), cpu(3,)")
+    assert "test_fake_cuda.py" in got["strict_add"]    # the call site is named
+    # indexing CUDA data with CPU indices works on a GPU too (a hidden copy and sync): strict mode catches it
+    assert got["strict_index"].startswith("DeviceMixError: aten.index.Tensor")
+    # a CUDA result written into a CPU flag, even a 0-dim one, fails on a GPU
+    assert got["strict_written_scalar"].startswith("DeviceMixError: aten.bitwise_and_.Tensor")
+    assert got["lenient_index_shape"] == [2, 4] and len(got["lenient_mixes"]) == 1
+    assert got["scalar_ok"] and got["transfer_counts"] == {"h2d_copy": 1, "d2h_sync": 2}
+
+
+def test_syncs_and_copies_do_not_grow_with_micro_batches_or_ode_steps(worker, tmp_path):
+    """At the SD3.5-M stand-in's shape (LoRA, bf16, checkpointing, PickScore): 16 samples per iteration in 1, 4 or
+    16 micro-batches, with 4 or 8 ODE steps: the same device-to-host syncs and host-to-device copies."""
+    flags = ["--model", "sd3", "--reward", "pickscore", "--resolution", "64", "--prompts-per-step", "4",
+             "--group-size", "4", "--n-mc", "2", "--sample-batch", "16", "--decode-batch", "16"]
+    variants = [dict(micro_batch=16, sample_steps=4), dict(micro_batch=4, sample_steps=4),
+                dict(micro_batch=1, sample_steps=4), dict(micro_batch=4, sample_steps=8)]
+    got = call(worker, "iteration_counts", flags=flags, output_dir=str(tmp_path), variants=variants)
+    first = got[0]
+    assert first["mixes"] == [] and first["counts"]["d2h_sync"] > 0 and first["counts"]["h2d_copy"] > 0
+    for variant, other in zip(variants[1:], got[1:]):
+        assert other["counts"] == first["counts"], (variant, other["where"], first["where"])
+
+
+# --------------------------------------------------------------------------- the scenarios (run in the worker)
+
+
+def _start(flags, output_dir, **overrides):
+    import vgrpo
+
+    args = vgrpo.parse_args([*flags, "--device", "cuda", "--output-dir", output_dir, "--iterations", "1",
+                             *[f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]])
+    vgrpo.validate(args, 1)
+    return vgrpo.start_run(args)
+
+
+def _device_types(tensors):
+    return sorted({t.device.type for t in tensors})
+
+
+def one_iteration(flags, output_dir):
+    import vgrpo
+    from tests.fake_cuda import FakeCuda
+
+    with FakeCuda(strict=True) as gpu:
+        run, start = _start(flags, output_dir)
+        gpu.reset_counts()
+        old_rows, real_old = [], vgrpo.old_surrogate
+
+        def counting_old(*a, **k):  # how many rows the old-surrogate pass filled (it runs with inner steps > 1)
+            s_old, x0_old = real_old(*a, **k)
+            old_rows.append(len(s_old))
+            return s_old, x0_old
+
+        vgrpo.old_surrogate = counting_old
+        try:
+            stats, images, prompts, r, A = vgrpo.train_iteration(run, start)
+        finally:
+            vgrpo.old_surrogate = real_old
+        m = vgrpo.iteration_metrics(run, start, stats, r, A)
+        vgrpo.record(run, m, (images, prompts, r), first=True, last=True)
+        states = [t for s in run.optimizer.state.values() for t in s.values() if t.dim() > 0]
+        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+            logged = [json.loads(line)["iteration"] for line in f]
+        return {"device": str(run.device), "mixes": gpu.mixes, "counts": dict(gpu.counts),
+                "trainable_devices": _device_types(run.params),
+                "optimizer_devices": _device_types(states), "fused": run.optimizer.defaults.get("fused"),
+                "stats_device": A.device.type, "images_device": images.device.type, "metrics": m,
+                "logged_iterations": logged, "scaler": run.scaler is not None, "old_pass_rows": sum(old_rows),
+                "sample_grid": os.path.isfile(os.path.join(output_dir, "samples", "iter-00001.png"))}
+
+
+def evaluation(flags, output_dir):
+    import vgrpo
+    from tests.fake_cuda import FakeCuda
+
+    with FakeCuda(strict=True) as gpu:
+        run, _ = _start(flags, output_dir)
+        m, images, prompts, r = vgrpo.evaluate(run, 0)
+        return {"mixes": gpu.mixes, "eval": m, "eval_images": len(images)}
+
+
+def checkpoint(flags, output_dir):
+    """save_checkpoint on the fake GPU (the weights gathered to the host hold dummy values), then what a resume
+    restores: the LoRA weights into the model on the GPU, and the AdamW states (which hold fake tensors, saved
+    by torch.save as storage-less fakes, and load back as fakes of the same shapes)."""
+    import vgrpo
+    from tests.fake_cuda import FakeCuda
+
+    with FakeCuda(strict=True) as gpu:
+        run, _ = _start(flags, output_dir)
+        gpu.reset_counts()
+        weights = vgrpo.trained_weights(run)
+        counts = dict(gpu.counts)
+        path = vgrpo.save_checkpoint(run, 1)
+        restored = vgrpo.load_trained_weights(path, run.family, run.args)
+        try:
+            vgrpo.load_training_state(path, run)
+            optimizer = "restored"
+        except Exception as e:  # noqa: BLE001 - reported to the test, which names what fake tensors cannot do
+            optimizer = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return {"mixes": gpu.mixes, "counts": counts, "weights": len(weights),
+                "weight_devices": _device_types(weights.values()), "files": sorted(os.listdir(path)),
+                "restored_iteration": restored, "optimizer": optimizer,
+                "lora_devices": _device_types(p for n, p in run.family.transformer.named_parameters()
+                                              if "lora_" in n)}
+
+
+def mixing_ops():
+    import torch
+
+    from tests.fake_cuda import DeviceMixError, FakeCuda
+
+    out = {}
+    with FakeCuda(strict=True):
+        x = torch.randn(3, device="cuda")
+        try:
+            x + torch.randn(3)
+        except DeviceMixError as e:
+            out["strict_add"] = f"DeviceMixError: {e}"
+        try:
+            torch.randn(5, 4, device="cuda")[torch.arange(2)]
+        except DeviceMixError as e:
+            out["strict_index"] = f"DeviceMixError: {e}"
+        try:
+            flag = torch.ones((), dtype=torch.bool)
+            flag &= torch.isfinite(x.sum())
+        except DeviceMixError as e:
+            out["strict_written_scalar"] = f"DeviceMixError: {e}"
+    with FakeCuda(strict=False) as gpu:
+        out["lenient_index_shape"] = list(torch.randn(5, 4, device="cuda")[torch.arange(2)].shape)
+        out["lenient_mixes"] = gpu.mixes
+        gpu.reset_counts()
+        y = torch.randn(3, device="cuda") * torch.tensor(2.0)   # a CPU scalar is a kernel argument: fine
+        y = y + torch.arange(3.0).to("cuda")                      # one copy
+        out["scalar_ok"] = y.device.type == "cuda" and y.sum().item() == 0.5 and y.cpu().tolist() == [0.5] * 3
+        out["transfer_counts"] = dict(gpu.counts)
+    return out
+
+
+def iteration_counts(flags, output_dir, variants):
+    """One start, then an iteration per variant of (micro_batch, sample_steps): each one's counts."""
+    import vgrpo
+    from tests.fake_cuda import FakeCuda
+
+    results = []
+    with FakeCuda(strict=True) as gpu:
+        run, _ = _start(flags, output_dir)
+        for variant in variants:
+            run.args = dataclasses.replace(run.args, **variant)
+            run.sigmas = run.family.sigma_grid(run.args.sample_steps)
+            gpu.reset_counts()
+            vgrpo.train_iteration(run, 0)
+            results.append({"mixes": list(gpu.mixes), "counts": dict(gpu.counts),
+                            "where": {k: dict(v) for k, v in gpu.where.items()}})
+    return results

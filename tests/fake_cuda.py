@@ -58,6 +58,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import gc
 import importlib
 import os
 import pickle
@@ -65,6 +66,7 @@ import struct
 import subprocess
 import sys
 import traceback
+import warnings
 import weakref
 
 import torch
@@ -349,7 +351,8 @@ class DeviceMemory:
     (views share it) until the last tensor on that storage dies. Autograd's saved tensors keep theirs alive, so
     this is what the caching allocator would have to hold: torch.cuda.memory_allocated(), without the rounding.
     `param.data = other` swaps a tensor's storage outside the dispatcher: reconcile() (called by reset_peak) moves
-    such tensors to their new storage, so a cast model is not counted twice."""
+    such tensors to their new storage, so a cast model is not counted twice, and adopts CUDA tensors made outside
+    the dispatcher."""
 
     def __init__(self):
         self.live = {}                                # storage id -> [bytes, tensors alive on it]
@@ -387,11 +390,18 @@ class DeviceMemory:
         self.cells.pop(key, None)
 
     def reconcile(self):
+        """Moves tracked tensors whose storage was swapped (`param.data = other`) to it, and adopts the live CUDA
+        tensors no op returned (a Parameter made around a tensor, which outlives it): without the scan of the
+        garbage collector's objects a model's weights go uncounted once the tensors they were made from die."""
         for ref, cell in list(self.cells.values()):
             t = ref()
             if t is not None and t.untyped_storage()._cdata != cell[0]:
                 self._detach(cell)
                 self._attach(cell, t)
+        with warnings.catch_warnings():  # isinstance() on some modules' deprecated attributes warns
+            warnings.simplefilter("ignore")
+            untracked = [t for t in gc.get_objects() if isinstance(t, FakeTensor) and id(t) not in self.cells]
+        self.track(untracked)
 
     def reset_peak(self):
         self.reconcile()

@@ -14,7 +14,9 @@ processor you already hold (`clip_similarity_reward`), which is how the tests ru
 CLIP models without downloading anything.
 
 Registry names and their scale on a base model (SD3.5-M / FLUX.1-dev), so that weights can be chosen:
-pickscore ~0.22, clipscore ~0.3, hpsv2 ~0.28, aesthetic ~5.5, imagereward ~1.0, ocr ~0.6, jpeg ~-0.2.
+pickscore ~0.22, clipscore ~0.3, hpsv2 ~0.28, aesthetic ~5.5, imagereward ~1.0, ocr ~0.6, jpeg ~-0.2,
+geneval (0 or 1 per image) ~0.63 and geneval_partial in [0, 1] on SD3.5-M; on the pretrained digits model:
+digit in [0, 1] ~0.33, digit_correct and digit_knn 0 or 1 per image.
 Optional package: ocr needs `pip install rapidocr-onnxruntime`; a missing one raises RewardError naming it.
 imagereward needs no package of its own: it runs ImageReward's checkpoint on transformers' BLIP (load_imagereward).
 """
@@ -59,7 +61,7 @@ def jpeg_reward(images, prompts):
 
     Scale: a 512 px SD3.5 image is about 40-120 kB, so about -0.08 to -0.24; a 32 px image of the tiny
     model is about 1 kB (-0.002) with an in-group spread near 3e-5, below the advantage's 1e-4
-    epsilon: weight it up for small images (the CPU demo uses `jpeg:100`).
+    epsilon: weight it up for small images (the tiny test models' default is `jpeg:100`).
     """
     sizes = []
     for im in to_uint8_images(images):

@@ -1,6 +1,7 @@
 """Tests for vgrpo: pure functions against formulas written here, the sampler against diffusers' pipeline
 and an analytic ODE, and whole runs launched as a user would (subprocess, torchrun with 2 processes).
-CPU only, offline: every model is a tiny random one built in code."""
+CPU only, offline: every model is a tiny random one built in code, except the demo's learning run, which uses the
+shipped digits model (digits/pipeline)."""
 
 import importlib.util
 import json

@@ -87,8 +87,9 @@ class Args:
                                "digits/), sd3 (SD3.5-Medium), flux (FLUX.1-dev), tiny / tiny-flux (random, built in "
                                "code, for tests), or any SD3 / FLUX pipeline id or folder")
     reward: str = arg(None, "reward spec name[:weight],...: pickscore, clipscore, hpsv2, imagereward, aesthetic, "
-                            "ocr, digit, jpeg, http://host:port/path, file.py:function (default: pickscore for SD3, "
-                            "hpsv2 for FLUX, digit for the digits model, jpeg:100 for the tiny models)")
+                            "ocr, geneval, geneval_partial, digit, digit_correct, digit_knn, jpeg, "
+                            "http://host:port/path, file.py:function (default: pickscore for SD3, hpsv2 for FLUX, "
+                            "digit for the digits model, jpeg:100 for the tiny models)")
     reward_advantage: str = arg("sum", "several rewards: sum (advantage of the weighted sum) or per-reward (sum of "
                                        "each reward's group advantage, as MixGRPO)")
     prompts: str = arg(None, ".txt (one prompt per line) or .jsonl ({\"prompt\": ..., metadata for the reward}); "
@@ -103,9 +104,10 @@ class Args:
     guidance: float = arg(None, "SD3: classifier-free guidance scale (default 1 = off, as the paper trains SD3.5-M); "
                                 "FLUX: the guidance embedding's value (default 3.5), one pass")
     iterations: int = arg(None, "total training iterations, a resumed run continues up to it (150 SD3, 300 FLUX, "
-                                "60 tiny)")
-    prompts_per_step: int = arg(None, "P: prompts per iteration, GLOBAL over all processes (48 SD3, 32 FLUX, 4 tiny)")
-    group_size: int = arg(None, "G: images per prompt, the GRPO group (24 SD3, 12 FLUX, 8 tiny)")
+                                "80 digits, 60 tiny)")
+    prompts_per_step: int = arg(None, "P: prompts per iteration, GLOBAL over all processes (48 SD3, 32 FLUX, "
+                                      "4 digits and tiny)")
+    group_size: int = arg(None, "G: images per prompt, the GRPO group (24 SD3, 12 FLUX, 8 digits and tiny)")
     n_mc: int = arg(4, "N_MC: (sigma, eps) pairs per sample in the ELBO surrogate")
     pair_sharing: str = arg("batch", "who shares the pairs: batch (everyone), group (per prompt) or none")
     stratified: bool = arg(True, "stratify the pairs' sigmas over the sigma grid (--no-stratified to turn off)")
@@ -114,8 +116,8 @@ class Args:
     beta: float = arg(0.0, "weight of the KL-to-sampling-policy term (0.3 in the paper's last SD3.5 stage)")
     adv_soft_clip: float = arg(None, "eta for A <- eta * tanh(A / eta); 0 turns it off (default: 3 for SD3, as the "
                                      "paper's on-policy SD3.5 runs; 0 otherwise)")
-    inner_steps: int = arg(None, "optimizer steps per rollout batch; must divide the group size (1 SD3 and tiny, "
-                                 "4 FLUX)")
+    inner_steps: int = arg(None, "optimizer steps per rollout batch; must divide the group size (1 SD3, digits "
+                                 "and tiny, 4 FLUX)")
     micro_batch: int = arg(None, "samples per training forward pass, N_MC rows each (default: gcd(minibatch, 16 "
                                  "tiny / 4))")
     sample_batch: int = arg(None, "samples per transformer pass in rollouts and evaluation: no gradients, no kept "
@@ -123,7 +125,8 @@ class Args:
     decode_batch: int = arg(None, "images per VAE decoding pass: at 512-720 px the decoder's activations, not the "
                                   "transformer's, would set the peak memory of a whole rollout batch (4 SD3, 2 FLUX, "
                                   "32 digits, 16 tiny)")
-    lr: float = arg(None, "AdamW learning rate (default: 2e-3 for tiny, 3e-4 with LoRA, 1e-5 for full fine-tuning)")
+    lr: float = arg(None, "AdamW learning rate (default: 2e-3 for tiny, 1e-3 for digits, 3e-4 with LoRA, "
+                          "1e-5 for full fine-tuning)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     lora_rank: int = arg(32, "LoRA rank (ignored with --full-finetune)")
@@ -134,9 +137,9 @@ class Args:
                             "the root): full fine-tuning of FLUX.1-dev; under torchrun, bf16 or float32")
     mixed_precision: str = arg(None, "bf16, fp16 or no: dtype of the transformer's matmuls (and of frozen weights); "
                                      "the surrogate, the loss, trained weights and AdamW stay float32 (bf16 for real "
-                                     "models, no for the tiny ones)")
+                                     "models, no for digits and the tiny ones)")
     gradient_checkpointing: bool = arg(None, "recompute activations in the backward pass (less memory, ~30%% slower; "
-                                             "on for real models)")
+                                             "on for real models, off for digits and tiny)")
     tf32: bool = arg(True, "allow TF32 matmuls on CUDA (Ampere and newer)")
     offload_text_encoders: bool = arg(True, "keep the text encoders on the CPU except while new prompts are encoded "
                                             "(CUDA)")
@@ -144,7 +147,8 @@ class Args:
     output_dir: str = arg("runs/vgrpo", "where metrics.jsonl, sample grids and checkpoints go")
     resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in "
                           "--output-dir")
-    save_every: int = arg(None, "save a checkpoint every N iterations and at the end (25 real models, 50 tiny)")
+    save_every: int = arg(None, "save a checkpoint every N iterations and at the end (25 real models, 80 digits, "
+                                "50 tiny)")
     keep_last: int = arg(0, "keep only the newest N checkpoints (0 keeps all)")
     max_bad_steps: int = arg(3, "stop after this many consecutive iterations with NaN/Inf rewards, losses or gradients")
     dist_timeout: int = arg(600, "seconds a collective may wait for another rank before the run fails (no hangs)")
@@ -834,7 +838,7 @@ CHOICES = {
     "mixed_precision": ("--mixed-precision", tuple(AMP_DTYPES)),
     "reward_advantage": ("--reward-advantage", ("sum", "per-reward")),
 }
-DEFAULT_PROMPTS = [  # the tiny CPU demo's prompts; a real model trains on prompts/train.txt or --prompts
+DEFAULT_PROMPTS = [  # the tiny test models' prompts; the others train on a file of prompts/ or --prompts
     "a red apple on a wooden table", "a cat sleeping on a sofa", "a lighthouse at sunset",
     "a bowl of ramen", "a snowy mountain village", "an astronaut riding a horse",
     "a vintage car in the rain", "a field of sunflowers", "a robot reading a book", "a koi pond in autumn",
@@ -1731,7 +1735,7 @@ def score(reward_fn, images, prompts, metadata, what=""):
 
 def any_nonfinite(run, it, r, A):
     """True on every rank when any rank's rewards or advantages hold a NaN or Inf; such a rank names the reward."""
-    bad = not (torch.isfinite(r).all() and torch.isfinite(A).all())
+    bad = not bool(torch.isfinite(r).all() & torch.isfinite(A).all())  # one device-to-host sync, not two
     if bad:
         names = ", ".join(getattr(run.reward_fn, "nonfinite", [])) or "the reward"
         print(f"vgrpo: rank {run.rank}, iteration {it + 1}: non-finite values from {names}; update skipped",

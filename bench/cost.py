@@ -4,7 +4,7 @@ V-GRPO iteration's time goes, and how close it is to the cheapest thing that cou
     python bench/cost.py --out /tmp/cost.md          # ten minutes on an idle 2-core machine
     python bench/cost.py --quick --out /tmp/cost.md  # seconds, for the test
 
-All in one process on the tiny SD3 at vgrpo's tiny defaults (the CPU demo: 4 prompts x 8 images, 10 DPM-Solver++
+All in one process on the tiny SD3 at vgrpo's tiny defaults (the test model's: 4 prompts x 8 images, 10 DPM-Solver++
 steps, N_MC = 4, sampling passes and micro-batches of 16 samples, full fine-tuning, AdamW), one torch thread.
 "Before" is vgrpo.py as of commit BEFORE (read from git, imported under another module name, with its reward.py),
 "after" is vgrpo.py as it is now; both build the same tiny model (one pipeline, deep-copied). Every ratio comes

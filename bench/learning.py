@@ -1,11 +1,13 @@
-"""Learning efficiency: V-GRPO against its baselines, side by side on the same tiny model.
+"""Learning efficiency: V-GRPO against its baselines, side by side on the same model.
 
     python bench/learning.py --reward jpeg --seed 0 --out /tmp/jpeg-0.json     # one job (run.py runs them all)
     python bench/learning.py --reward colour --seed 1 --methods '[{"kind": "DiffusionNFT", "lr": 0.003}]' \
         --target-gain 0.05 --iterations 80 --eval-every 2 --out /tmp/nft-1.json    # learners of your choice
 
-One process trains copies of the same tiny random SD3 transformer (vgrpo.build_tiny_sd3_pipeline, full
-fine-tuning, AdamW) on the same prompts, the same starting noises and the same group size, one iteration of
+One process trains copies of the same transformer (full fine-tuning, AdamW): the tiny random SD3
+(vgrpo.build_tiny_sd3_pipeline) for the jpeg and colour tasks, the pretrained digits model (digits/pipeline) for
+the digits task (the prompted digit's probability, judged by accuracy on held-out phrasings; the headline's task),
+on the same prompts, the same starting noises and the same group size, one iteration of
 each learner in turn (the order rotates every iteration), so that a busy machine slows all of them alike and
 their seconds can be compared. The methods (a learner is a method with its learning rate and knobs, spec()):
 
@@ -16,7 +18,8 @@ their seconds can be compared. The methods (a learner is a method with its learn
   DiffusionNFT  bench/nft_baseline.py: ODE rollout, forward-process loss on implicit positive / negative policies
   MixGRPO       bench/mixgrpo_baseline.py: SDE steps in a sliding window, ODE elsewhere, MDP loss on the window
 
-All take one optimizer step per iteration (vgrpo's tiny default; on-policy, so no ratio is clipped).
+By default all take one optimizer step per rollout (vgrpo's tiny default; on-policy, so no ratio is clipped);
+Setup.inner_steps > 1 splits each rollout into that many minibatches, one clipped step each (FLUX's regime).
 Every `eval_every` iterations each policy is scored on the same fixed evaluation set with the same
 deterministic sampler (DPM-Solver++, the deployed one): the MDP-type methods train on SDE samples, so their
 training rewards are not comparable, their ODE samples are. NFE counts the transformer forward rows of the
@@ -99,7 +102,7 @@ def colour_reward(images, prompts):
 
 
 def jpeg_reward(images, prompts):
-    """JPEG compressibility scaled as vgrpo's demo default (jpeg:100): -kB / 5 for 32 px images."""
+    """JPEG compressibility scaled as vgrpo's tiny-model default (jpeg:100): -kB / 5 for 32 px images."""
     return 100 * rewards_lib.jpeg_reward(images, prompts)
 
 

@@ -1,5 +1,5 @@
-"""The MDP baseline of the learning-efficiency benchmark: GRPO on per-step Gaussian transitions of an SDE
-sampler, written from the Flow-GRPO paper's description (Liu et al. 2025, "Flow-GRPO: Training Flow
+"""The MDP baseline of the learning-efficiency and headline benchmarks: GRPO on per-step Gaussian transitions of
+an SDE sampler, written from the Flow-GRPO paper's description (Liu et al. 2025, "Flow-GRPO: Training Flow
 Matching Models via Online RL"), with the step subsampling of DanceGRPO / MixGRPO / Flow-GRPO-Fast.
 
 Time convention as in vgrpo.py: sigma = 1 is noise, x_sigma = (1 - sigma) o + sigma eps, v = eps - o.

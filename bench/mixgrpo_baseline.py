@@ -12,12 +12,12 @@ the window's steps are trained. The window starts at the noisiest steps and move
 Choices, and why:
  1. Plain MixGRPO, not MixGRPO-Flash: the ODE steps outside the window are first-order (Euler), as in the
     paper's main variant, whose FLUX numbers are the ones V-GRPO's "2x" is measured against. Every step of the
-    10-step grid is kept, so the rollout costs what every other method's does.
- 2. Window size w = 4 (the paper's) or 2 (the paper's 4 of 25 steps is 16% of the trajectory, 2 of our 10),
+    12-step grid is kept, so the rollout costs what every other method's does.
+ 2. Window size w = 4 (the paper's) or 2 (the paper's 4 of 25 steps is 16% of the trajectory, 2 of our 12),
     picked by the sweep; stride 1 and roll-back, as in the paper.
  3. Shift interval: the paper moves the window every 25 iterations in 300-iteration runs, so the window
     travels a good part of the trajectory during a run; runs here are at most a few dozen iterations, so it
-    moves every 8 (through all positions in 48 iterations with w = 4).
+    moves every 8 (through all positions in 64 iterations with w = 4).
  4. The final step (to sigma = 0) is never in the window: its SDE noise is about 0.006 on this grid, so there
     is nothing to explore or to train there (the paper's window also stops short of the last steps).
  5. SDE noise a = 0.7, per-step clip range 1e-4, no KL (the paper's settings, shared with Flow-GRPO). The

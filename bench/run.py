@@ -1,26 +1,31 @@
 """Every table and plot of the benchmark, from scratch.
 
-    python bench/run.py                          # everything: items 1-4 (~25 min) then the headline (~30 min)
-    python bench/run.py --only headline --jobs 1 # the V-GRPO / DiffusionNFT / MixGRPO headline alone
+    python bench/run.py                          # everything: items 1-3 (~25 min) then the headline (~30 min)
+    python bench/run.py --only headline --jobs 1 # the headline alone: V-GRPO against four learners
     python bench/run.py --quick --out /tmp/b     # about a minute: toy sizes, checks that everything runs
     python bench/run.py --report-only            # rebuild the tables and plots from the raw JSON under --out
 
-Items 1-4 run, `--jobs` processes at a time with one torch thread each: the surrogate-variance table
-(bench/variance.py), the learning-efficiency jobs (bench/learning.py, one per reward and seed, each training
-V-GRPO, the naive ELBO and the MDP baseline side by side), and the cost measurements (bench/cost.py). The
-headline runs a learning-rate sweep on seed 0 and then, at the chosen settings, V-GRPO, DiffusionNFT and
-MixGRPO on seeds 1-3 until each reaches a common target or a cap. It writes, under --out:
+Items 1-3 run, `--jobs` processes at a time with one torch thread each: the surrogate-variance table
+(bench/variance.py), the learning-efficiency jobs on the tiny random model (bench/learning.py, one per reward and
+seed, each training V-GRPO, the naive ELBO and the MDP baseline side by side), and the cost measurements
+(bench/cost.py). The headline, on the pretrained digits model, pits five learners (V-GRPO, DiffusionNFT, MixGRPO,
+the MDP baseline and the naive ELBO) against each other in two regimes (one-step: one optimizer step per rollout
+with the advantage soft clip, SD3.5-M's; multi-step: four clipped steps per rollout, FLUX's): a learning-rate sweep
+on seed 0, then every learner at its chosen setting on seeds 1-3, run to a cap, and the steps / NFE / seconds at
+which each first reaches each baseline's target. It writes, under --out (default bench/results/; `--only learning`
+writes its learning.* there too; the committed learning.* are in bench/results/random-model/):
 
   variance.md    item 1: coefficient of variation of the surrogate under each variance reduction
   learning.md    item 2: final rewards, steps / NFE / seconds to a common target, MDP-time / V-GRPO-time
   learning.png   item 2: evaluation reward against gradient steps, NFE and seconds, mean ± std over seeds
   learning/*.json  the raw curves of every job
-  cost.md        item 3: per-phase seconds, update vs flow-matching floor, rollout vs the diffusers
-                 pipeline, peak memory of a V-GRPO step vs a flow-matching step
-  headline.md    the sweep, then gradient steps / NFE / seconds to the target per seed and their ratios to
-                 V-GRPO's (mean ± std over seeds) beside the paper's 2x (MixGRPO) and 3x (DiffusionNFT)
-  headline.png   the headline's learning curves, every method and seed, against steps, NFE and seconds
-  headline/*.json  the sweep's and each seed's raw curves
+  cost.md, cost.json  item 3: per-phase seconds, update vs flow-matching floor, rollout vs the diffusers
+                 pipeline, peak memory of a V-GRPO step vs a flow-matching step (the .json: the raw measurements)
+  headline.md    per regime: the sweep, then gradient steps / NFE / seconds to each target per seed and their
+                 ratios to V-GRPO's (mean ± std over seeds) beside the paper's 2x (MixGRPO) and 3x (DiffusionNFT)
+  headline-one-step.png, headline-multi-step.png  each regime's learning curves, every learner and seed, against
+                 steps, NFE and seconds
+  headline/REGIME/sweep.json, seed-N.json  each regime's raw curves: the sweep's and each seed's
 """
 
 import argparse
@@ -246,7 +251,7 @@ def plot(results, path):
 HEADLINE_KINDS = ("V-GRPO", "DiffusionNFT", "MixGRPO", "MDP", "naive ELBO")
 HEADLINE_COLOURS = {"V-GRPO": "tab:blue", "DiffusionNFT": "tab:red", "MixGRPO": "tab:purple", "MDP": "tab:green",
                     "naive ELBO": "tab:orange"}
-# full fine-tuning of the digits transformer: from a tenth of the demo's LoRA rate up, by factors of ~3
+# full fine-tuning of the digits transformer: from about a thirtieth of the demo's LoRA rate up, by factors of ~3
 SWEEP_LRS = (3e-5, 1e-4, 3e-4, 1e-3)
 TARGET_GAIN_FRACTION = 0.75
 PAPER = {"DiffusionNFT": "3x (gradient steps, SD3.5-M)", "MixGRPO": "2x (iterations, FLUX.1-dev)",
@@ -576,7 +581,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="seconds-long toy run (for the test)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--only", choices=("all", "learning", "headline"), default="all",
-                   help="learning: items 1-4 (variance, learning, cost); headline: V-GRPO vs DiffusionNFT, MixGRPO")
+                   help="learning: items 1-3 (variance, learning, cost); headline: V-GRPO vs DiffusionNFT, MixGRPO, "
+                   "MDP, naive ELBO")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--iterations", type=int, default=24, help="iterations of the learning jobs")
     p.add_argument("--sweep-iterations", type=int, default=32, help="iterations of the headline's sweep")
@@ -585,8 +591,8 @@ def main():
     p.add_argument("--jobs", type=int, default=2, help="processes side by side (one torch thread each)")
     p.add_argument("--report-only", action="store_true", help="rebuild the tables and plots from OUT's raw JSON")
     p.add_argument("--reuse-sweep", action="store_true", help="headline: keep the sweep's learners already in "
-                   "OUT/headline/sweep.json and run only those missing from it; rerun only the seeds whose settings "
-                   "changed")
+                   "OUT/headline/REGIME/sweep.json and run only those missing from it; rerun only the seeds whose "
+                   "settings changed")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     t = time.perf_counter()

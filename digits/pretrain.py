@@ -4,7 +4,7 @@
     python digits/pretrain.py --quick --out /tmp/d   # the same code at toy lengths, in seconds (what the tests run)
 
 The outputs are committed, so users and CI never run this; it exists so that the model is made by the project in
-the open and can be made again (deterministic for a seed on one machine; about 10 minutes on 2 CPU cores).
+the open and can be made again (deterministic for a seed on one machine; about 4 minutes on 2 CPU cores).
 
 Data: scikit-learn's copy of the test set of the UCI "Optical Recognition of Handwritten Digits" data (E. Alpaydin
 and C. Kaynak, 1998; licence CC BY 4.0 on the UCI Machine Learning Repository): 1,797 8x8 images of ink counts

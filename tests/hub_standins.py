@@ -14,7 +14,8 @@ SD3.5 and the two of FLUX.1 with tokenizers at their real lengths (CLIP 77, T5 u
 behind an 8x VAE with the real scaling and shift factors, SD3.5's patch size 2, RMS qk-norm and dual-attention
 block, FLUX.1's packed 64-channel input, guidance embedding and resolution-dependent shift, CLIP image
 processors at 224 px with CLIP's mean and std, the OpenCLIP checkpoint format of HPSv2.1, the state dict of
-the LAION aesthetic head, and ImageReward.pt's layout with med_config.json and a bert-base-uncased tokenizer.
+the LAION aesthetic head, GenEval's Mask2Former detector (Swin backbone, the 80 COCO classes, 100 queries), and
+ImageReward.pt's layout (a BLIP ViT and BERT) with med_config.json and a bert-base-uncased tokenizer.
 Widths are near 32 and there are 1-2 layers, so a process loads SD3 and PickScore in a few seconds. Weights
 are a function of `seed` alone: two caches with different seeds differ in every randomly drawn tensor (norms
 start at 1 in both), the same seed gives the same bytes.

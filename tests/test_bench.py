@@ -2,7 +2,7 @@
 formulas, the headline table's arithmetic on made-up curves, and `python bench/run.py --quick` run as a user
 would, its outputs checked.
 
-    python -m pytest test_bench.py -q
+    python -m pytest tests/test_bench.py -q
 """
 
 import json

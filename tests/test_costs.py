@@ -2,7 +2,7 @@
 (`.item()` and friends dispatch aten::_local_scalar_dense), bytes of the pairs' noise; and that the sampling
 batch changes nothing but float rounding. Seconds are measured in bench/, never asserted here.
 
-    python -m pytest test_costs.py -q
+    python -m pytest tests/test_costs.py -q
 """
 
 import collections

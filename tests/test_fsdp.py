@@ -2,7 +2,7 @@
 the same weights within float rounding, half the per-process state, exact resumes (also on another number of
 processes), and a full fine-tuning checkpoint that diffusers loads and that reproduces the trained model's rollout.
 
-    python -m pytest test_fsdp.py -q        # about 6 runs of a tiny model, a few minutes on 2 cores
+    python -m pytest tests/test_fsdp.py -q  # about 6 runs of a tiny model, a few minutes on 2 cores
 """
 
 import json

@@ -2,7 +2,7 @@
 validates for its own process count, and the main command trains the real model ids from a Hugging Face cache
 of tiny stand-ins (hub_standins.py), on as many processes as it says, and its LoRA loads into diffusers.
 
-    python -m pytest test_launch.py -q
+    python -m pytest tests/test_launch.py -q
 """
 
 import dataclasses

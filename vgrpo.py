@@ -1721,6 +1721,9 @@ def iteration_metrics(run, it, stats, r, A):
     if len(run.stages) > 1:  # the curriculum's stage, 1-based
         m["stage"] = next(k for k, s in enumerate(run.stages, 1) if s.start <= it < s.end)
     m["state_mb"] = state_bytes(run) / 2**20
+    if run.device.type == "cuda":  # this process's peak since the last iteration (bench/results/memory.md's rows)
+        m["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(run.device)
     m["time_total"] = sum(m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update"))
     return m
 

@@ -7,6 +7,7 @@
         run, start = vgrpo.start_run(args)            # args.device == "cuda"
         vgrpo.train_iteration(run, 0)
     gpu.counts["d2h_sync"], gpu.counts["h2d_copy"], gpu.mixes, gpu.where, gpu.memory.peak (bytes)
+    # rank 0 of 8 processes (--fsdp, DDP): with fake_processes(8): ... vgrpo.start_run(args) ...
 
 How it works. A CUDA tensor is a torch._subclasses.fake_tensor.FakeTensor whose fake device is cuda:0: shape,
 dtype, strides and autograd history but no data (its storage is on "meta"), so a 12 B-parameter model costs no
@@ -44,13 +45,19 @@ What it relies on (torch internals, checked against torch 2.13; a change breaks 
   - torch.load, run outside the modes (under a FakeTensorMode it would give fake tensors without data);
   - Python patches of torch.cuda (is_available, device_count, current_device, set_device, is_bf16_supported,
     synchronize, memory queries): the CPU build's torch._C lacks what they call. torch.autocast("cuda") reads
-    torch.cuda.is_available() and silently disables itself without the patch.
+    torch.cuda.is_available() and silently disables itself without the patch. Stream, Event, current_stream
+    and stream are Python stand-ins (FakeStream, FakeEvent: FSDP2 makes streams for its collectives);
+  - torch.UntypedStorage.resize_, wrapped so that DeviceMemory sees FSDP2 free and regrow all-gathered weights;
+  - for several processes (fake_processes): the "fake" process-group backend of
+    torch.testing._internal.distributed.fake_pg, the fake kernels of torch.distributed._tools.fake_collectives,
+    and FSDP2's move of CPU weights to the device by .data assignment (worked around: see fake_processes).
 
 What it cannot see: numerics (fake tensors hold no values: no NaN / Inf path, no overflow, no loss-scale change, no
 value to test), real pixels and rewards of real images (the host sees dummy values), the branch a real value would
 take (`.item()` always answers the same), kernels and their speed, streams and asynchrony (a non_blocking copy is
-counted like any other; one from pageable memory is counted apart, `h2d_pageable_non_blocking`), NCCL and several
-processes, the caching allocator, CUDA generators, and anything saved with torch.save from a fake tensor.
+counted like any other; one from pageable memory is counted apart, `h2d_pageable_non_blocking`), NCCL and what
+other processes send (fake_processes runs rank 0 alone: collectives move nothing, object collectives fail), the
+caching allocator, CUDA generators, and anything saved with torch.save from a fake tensor.
 """
 
 from __future__ import annotations
@@ -389,6 +396,15 @@ class DeviceMemory:
         self._detach(cell)
         self.cells.pop(key, None)
 
+    def resized(self, storage, nbytes):
+        """UntypedStorage.resize_ bypasses the dispatcher: FSDP2 frees each block's all-gathered weights with
+        resize_(0) after use and grows them back for the next all-gather, on the same storage."""
+        entry = self.live.get(storage._cdata)
+        if entry is not None:
+            self.current += nbytes - entry[0]
+            entry[0] = nbytes
+            self.peak = max(self.peak, self.current)
+
     def reconcile(self):
         """Moves tracked tensors whose storage was swapped (`param.data = other`) to it, and adopts the live CUDA
         tensors no op returned (a Parameter made around a tensor, which outlives it): without the scan of the
@@ -407,6 +423,10 @@ class DeviceMemory:
         self.reconcile()
         self.peak = self.current
 
+    def allocated(self):
+        self.reconcile()
+        return self.current
+
 
 class FakeCuda:
     """The context: torch.cuda patched, a FakeTensorMode whose CUDA tensors are fake, the audit mode on top.
@@ -415,6 +435,8 @@ class FakeCuda:
     counts: Counter of "d2h_sync" (.item(), .tolist(), .cpu() of CUDA data, data-dependent shapes), "h2d_copy"
     (a non-scalar CPU tensor copied to the GPU) and "h2d_pageable_non_blocking" (such a copy asked to be
     asynchronous from unpinned memory, which a GPU makes synchronous); where[kind] the call sites (file:line).
+    memory: DeviceMemory, which also answers torch.cuda.memory_allocated, max_memory_allocated and
+    reset_peak_memory_stats, so code that measures itself with them runs unchanged here and on a GPU.
     """
 
     def __init__(self, strict=True):
@@ -463,10 +485,26 @@ class FakeCuda:
                    "set_device": lambda device: None, "is_bf16_supported": lambda *a, **k: True,
                    "synchronize": lambda device=None: self.count("d2h_sync", "torch.cuda.synchronize"),
                    "is_initialized": lambda: True, "get_device_name": lambda device=None: "fake CUDA",
-                   "memory_allocated": lambda device=None: 0, "max_memory_allocated": lambda device=None: 0,
-                   "reset_peak_memory_stats": lambda device=None: None, "empty_cache": lambda: None}
+                   "memory_allocated": lambda device=None: self.memory.allocated(),
+                   "max_memory_allocated": lambda device=None: self.memory.peak,
+                   "reset_peak_memory_stats": lambda device=None: self.memory.reset_peak(),
+                   "empty_cache": lambda: None}
+        # one stream in effect: FSDP2 makes its own for all-gathers and reduce-scatters, and every wait between
+        # them is already satisfied
+        default_stream = FakeStream()
+        patches.update(Stream=FakeStream, Event=FakeEvent, current_stream=lambda device=None: default_stream,
+                       default_stream=lambda device=None: default_stream,
+                       stream=lambda stream: contextlib.nullcontext(stream))
         for name, value in patches.items():
             stack.enter_context(_patched(torch.cuda, name, value))
+        resize = torch.UntypedStorage.resize_
+
+        def tracked_resize(storage, nbytes):
+            resize(storage, nbytes)
+            self.memory.resized(storage, nbytes)
+            return storage
+
+        stack.enter_context(_patched(torch.UntypedStorage, "resize_", tracked_resize))
         stack.enter_context(_patched(FakeTensorMode, "avoid_device_init", property(lambda mode: True)))
         stack.enter_context(_patched(torch.nn.Module, "_apply", _apply_keeping_fake_parameters))
         stack.enter_context(_patched(torch, "load", _load_for_real))
@@ -479,6 +517,94 @@ class FakeCuda:
     def __exit__(self, *exc):
         stack, self._stack = self._stack, None
         return stack.__exit__(*exc)
+
+
+class FakeStream:
+    """torch.cuda.Stream without the CUDA runtime: work is never queued, so every wait is already satisfied."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        self.device = torch.device("cuda", 0)
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return (event or FakeEvent()).record(self)
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+class FakeEvent:
+    """torch.cuda.Event without the CUDA runtime: recorded and complete at once."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        return self
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+@contextlib.contextmanager
+def fake_processes(world):
+    """Rank 0 of `world` processes, alone: torchrun's environment variables, and vgrpo's init_process_group
+    answered by torch's "fake" backend (torch.testing._internal.distributed.fake_pg), whose collectives complete at
+    once without moving data; torch.distributed._tools.fake_collectives gives them their fake-tensor outputs. What
+    rank 0 allocates is what each of `world` real processes would, so FSDP2's sharded memory can be measured and
+    its code paths checked for device placement. Values that come from other ranks are dummies (a comparison of
+    ranks' checksums cannot pass), and what needs them cannot run: object collectives (dist.gather_object, which
+    DCP's checkpoint planning uses) and DDP's constructor (it compares the ranks' parameter counts).
+
+    fully_shard is wrapped: FSDP2 moves a CPU block's weights to the GPU by assigning .data (a fake tensor into a
+    real Parameter, which the fake mode cannot represent), so the wrapper first moves each CPU module's own weights
+    the way Module.to does (torch swaps in new Parameters), one block at a time as FSDP2 would, then calls it."""
+    import torch.distributed as dist
+    import torch.distributed._tools.fake_collectives  # noqa: F401 - registers the collectives' fake kernels
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    init, shard = dist.init_process_group, fsdp.fully_shard
+
+    def init_fake(backend=None, **kwargs):
+        init("fake", store=FakeStore(), rank=0, world_size=world)
+
+    def fully_shard(module, *args, **kwargs):
+        cuda = torch.device("cuda", 0)
+        for m in module.modules():
+            own = [t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None]
+            if any(not isinstance(t, DTensor) and t.device.type == "cpu" for t in own):
+                m._apply(lambda t: t if isinstance(t, DTensor) or t.is_cuda else t.to(cuda), recurse=False)
+        return shard(module, *args, **kwargs)
+
+    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
+    try:
+        with _patched(dist, "init_process_group", init_fake), _patched(fsdp, "fully_shard", fully_shard):
+            yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 _MODULE_APPLY = torch.nn.Module._apply

@@ -1,10 +1,11 @@
 """The fake-CUDA tier: vgrpo's --device cuda paths run on a CPU-only torch with fake CUDA tensors (tests/fake_cuda.py:
 what it relies on and what it cannot see). A whole iteration (start_run, train_iteration, iteration_metrics,
-record) per configuration, the evaluation and the checkpoint, in strict mode: any op that mixes a non-scalar CPU
-tensor with a CUDA one fails the test with the op and its call site. And the iteration's device-to-host
-synchronisations and host-to-device copies, which must not grow with the micro-batches or the ODE steps.
+record) per configuration, --fsdp as rank 0 of 8 processes, the evaluation and the checkpoint, in strict mode: any
+op that mixes a non-scalar CPU tensor with a CUDA one fails the test with the op and its call site. And the
+iteration's device-to-host synchronisations and host-to-device copies, which must not grow with the micro-batches
+or the ODE steps.
 
-    python -m pytest -q -m fake_cuda      # about 50 s on 2 CPU cores (20 s of it building the library once);
+    python -m pytest -q -m fake_cuda      # about 2 min on 2 CPU cores (20-30 s of it building the library once);
                                           # skips with one line if it cannot be built (no C++ compiler, a CUDA torch)
 
 The scenarios (the functions below the tests) run in one worker subprocess started with the fake CUDA library in
@@ -33,6 +34,15 @@ CONFIGS = {
     "sd3-full-finetune": ["--model", "sd3", "--reward", "pickscore", *SMALL, "--full-finetune"],
     # the FLUX.1-dev recipe's shape of update: several inner steps (the old-surrogate pass) and the KL term
     "flux-2-inner-steps-kl": ["--model", "flux", "--reward", "hpsv2", *SMALL, "--inner-steps", "2", "--beta", "0.3"],
+}
+
+# --fsdp as rank 0 of 8 processes (tests/fake_cuda.py: fake_processes): each rank's share of the recipe's sharding
+FSDP_CONFIGS = {
+    # the SD3.5-M recipe sharded: LoRA over a bf16 base, gradient checkpointing
+    "sd3-lora-bf16": ["--model", "sd3", "--reward", "pickscore", *SMALL, "--prompts-per-step", "8", "--fsdp"],
+    # FLUX.1-dev fully fine-tuned as MixGRPO runs it, with the old-surrogate pass and the KL term
+    "flux-full-finetune-2-inner-steps-kl": ["--model", "flux", "--reward", "hpsv2", *SMALL, "--prompts-per-step", "8",
+                                            "--full-finetune", "--inner-steps", "2", "--beta", "0.3", "--fsdp"],
 }
 
 
@@ -65,6 +75,9 @@ def test_one_iteration_on_fake_cuda_keeps_every_tensor_on_the_gpu(worker, tmp_pa
     assert got["stats_device"] == "cuda" and got["images_device"] == "cuda"
     assert got["metrics"]["iteration"] == 1 and got["metrics"]["skipped_steps"] == 0
     assert got["logged_iterations"] == [1]                # record() wrote metrics.jsonl and the sample grid
+    # the iteration's peak GPU memory (the harness's DeviceMemory answers torch.cuda's counters), then reset
+    assert got["metrics"]["peak_memory_gib"] * 2**30 > got["resident"] > 0
+    assert got["peak_after_reset"] == got["resident"]
     assert got["sample_grid"]
     # a pageable non_blocking copy is synchronous on a GPU: every host-to-device copy that asks to overlap must
     # come from pinned memory
@@ -73,6 +86,24 @@ def test_one_iteration_on_fake_cuda_keeps_every_tensor_on_the_gpu(worker, tmp_pa
         assert got["scaler"] and got["metrics"]["loss_scale"] == 0.5   # read from the device, once
     if "inner-steps" in name:
         assert got["old_pass_rows"] > 0
+
+
+@pytest.mark.parametrize("name", FSDP_CONFIGS)
+def test_fsdp_on_fake_cuda_shards_every_trained_weight_on_the_gpu_as_rank_0_of_8(worker, tmp_path, name):
+    got = call(worker, "sharded_iteration", flags=FSDP_CONFIGS[name], output_dir=str(tmp_path), world=8)
+    assert got["mixes"] == []
+    assert got["param_types"] == ["DTensor"] and got["local_devices"] == ["cuda"]
+    assert got["optimizer_devices"] == ["cuda"] and got["fused"]    # a step was taken: AdamW holds states
+    # rank 0's shard of each weight: the first ceil(rows / 8) rows (FSDP2 splits dimension 0, the last rank padded)
+    shard = sum(-(-shape[0] // 8) * (numel // shape[0]) for shape, numel in got["global_shapes"])
+    assert got["local_numel"] == shard and shard < 0.2 * sum(numel for _, numel in got["global_shapes"])
+    # rank 0's own count (the logged metrics are averaged over the ranks by a collective: dummies here)
+    assert got["metrics"]["iteration"] == 1 and got["skipped_steps"] == 0
+    if "inner-steps" in name:
+        assert got["old_pass_rows"] > 0
+    # what a checkpoint writes: every trained weight gathered whole to the host, one transfer per tensor
+    assert got["gathered"] == [list(shape) for shape, _ in got["global_shapes"]]
+    assert got["gathered_devices"] == ["cpu"] and got["gather_d2h"] == got["n_gathered"]
 
 
 def test_the_evaluation_runs_on_fake_cuda(worker, tmp_path):
@@ -141,6 +172,8 @@ def _device_types(tensors):
 
 
 def one_iteration(flags, output_dir):
+    import torch
+
     import vgrpo
     from tests.fake_cuda import FakeCuda
 
@@ -160,6 +193,7 @@ def one_iteration(flags, output_dir):
         finally:
             vgrpo.old_surrogate = real_old
         m = vgrpo.iteration_metrics(run, start, stats, r, A)
+        peak_after_reset, resident = gpu.memory.peak, torch.cuda.memory_allocated()
         vgrpo.record(run, m, (images, prompts, r), first=True, last=True)
         states = [t for s in run.optimizer.state.values() for t in s.values() if t.dim() > 0]
         with open(os.path.join(output_dir, "metrics.jsonl")) as f:
@@ -169,7 +203,58 @@ def one_iteration(flags, output_dir):
                 "optimizer_devices": _device_types(states), "fused": run.optimizer.defaults.get("fused"),
                 "stats_device": A.device.type, "images_device": images.device.type, "metrics": m,
                 "logged_iterations": logged, "scaler": run.scaler is not None, "old_pass_rows": sum(old_rows),
+                "peak_after_reset": peak_after_reset, "resident": resident,
                 "sample_grid": os.path.isfile(os.path.join(output_dir, "samples", "iter-00001.png"))}
+
+
+def sharded_iteration(flags, output_dir, world):
+    """One iteration of rank 0 of `world` processes under --fsdp, then the weights a checkpoint gathers."""
+    import vgrpo
+    from tests.fake_cuda import FakeCuda, fake_processes
+
+    real = vgrpo.check_ranks_agree, vgrpo.any_rank, vgrpo.old_surrogate
+    old_rows = []
+
+    # Their collectives run (on the fake GPU, in strict mode), but what they answer comes from other ranks' values,
+    # which fake collectives do not carry: every .item() reads a dummy. Rank 0's own answer stands in.
+    def check_ranks_agree(*a, **k):
+        try:
+            real[0](*a, **k)
+        except vgrpo.FatalError:  # two dummies compared: "different"
+            pass
+
+    def any_rank(flag, world, device):
+        real[1](flag, world, device)
+        return bool(flag)
+
+    def counting_old(*a, **k):
+        s_old, x0_old = real[2](*a, **k)
+        old_rows.append(len(s_old))
+        return s_old, x0_old
+
+    vgrpo.check_ranks_agree, vgrpo.any_rank, vgrpo.old_surrogate = check_ranks_agree, any_rank, counting_old
+    try:
+        with fake_processes(world), FakeCuda(strict=True) as gpu:
+            args = vgrpo.parse_args([*flags, "--device", "cuda", "--output-dir", output_dir, "--iterations", "1"])
+            vgrpo.validate(args, world)
+            run, start = vgrpo.start_run(args)
+            stats, images, prompts, r, A = vgrpo.train_iteration(run, start)
+            m = vgrpo.iteration_metrics(run, start, stats, r, A)
+            names = [n for n, p in run.family.transformer.named_parameters() if p.requires_grad]
+            gpu.reset_counts()
+            weights = vgrpo.trained_weights(run)
+            states = [t for s in run.optimizer.state.values() for t in s.values() if t.dim() > 0]
+            return {"mixes": gpu.mixes, "metrics": m, "skipped_steps": stats["skipped_steps"],
+                    "fused": run.optimizer.defaults.get("fused"), "param_types": sorted({type(p).__name__ for p in run.params}),
+                    "local_devices": _device_types(p.to_local() for p in run.params),
+                    "optimizer_devices": _device_types(t.to_local() for t in states),
+                    "global_shapes": [(tuple(p.shape), p.numel()) for p in run.params],
+                    "local_numel": sum(p.to_local().numel() for p in run.params),
+                    "old_pass_rows": sum(old_rows), "gather_d2h": gpu.counts["d2h_sync"],
+                    "gathered": [list(weights[n].shape) if n in weights else None for n in names],
+                    "n_gathered": len(weights), "gathered_devices": _device_types(weights.values())}
+    finally:
+        vgrpo.check_ranks_agree, vgrpo.any_rank, vgrpo.old_surrogate = real
 
 
 def evaluation(flags, output_dir):

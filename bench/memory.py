@@ -6,8 +6,11 @@ and reward.py's CLIP reward. (torch.distributed._tools.mem_tracker.MemTracker do
 on every parameter, which fails on LoRA's frozen base, and refuses a module called twice while it tracks, which
 gradient checkpointing's recomputation and every ODE step do.) Writes bench/results/memory.md.
 
-    python bench/memory.py                 # both models, LoRA and full fine-tuning: ~80 s on 2 busy CPU cores
-    python bench/memory.py --models sd3    # one model
+    python bench/memory.py                 # both models, LoRA and full fine-tuning, without and with --fsdp:
+                                           # about 8 min on 2 CPU cores -> results/memory.md and memory.json
+    python bench/memory.py --models sd3 --lora-only
+    python bench/memory.py --gpu --time-limit 300   # on a GPU machine: the same code with the caching allocator's
+                                           # own counters, beside memory.json's numbers -> results/memory-gpu.md
 
 Each phase is run the way an iteration runs it, with the recipe's batch settings (vgrpo.RECIPES, one process of
 8: P/8 prompt groups of G), and what the iteration keeps alive across phases (the weights, LoRA and AdamW states,
@@ -17,19 +20,26 @@ the same gradient buffers, so they reach the same peak. Attention goes to the fu
 (flash attention for bf16 without a mask, else memory-efficient attention): without that, the CPU build's math
 path would materialise every attention matrix and double the estimate.
 
+--fsdp: the process is rank 0 of 8 whose process group is torch's fake backend (tests/fake_cuda.py's
+fake_processes): FSDP2 shards, all-gathers and reduce-scatters into its own buffers as on a GPU; the collectives
+move no data.
+
 Not counted (stated apart in the table): the CUDA context and the libraries' workspaces (cuBLAS, cuDNN), and the
 caching allocator's rounding and fragmentation (reserved minus allocated). The numbers are bytes of tensors, the
-`torch.cuda.max_memory_allocated()` a GPU would report for the same code.
+`torch.cuda.max_memory_allocated()` a GPU would report for the same code: the measuring code calls exactly that
+(and reset_peak_memory_stats), which the fake-CUDA harness answers, so `--gpu` runs it unchanged on a GPU.
 """
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
 import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
 sys.path.insert(0, ROOT)
 
 from tests import fake_cuda  # noqa: E402
@@ -65,6 +75,7 @@ VIT_H14 = dict(vision=dict(hidden_size=1280, intermediate_size=5120, num_hidden_
                projection_dim=1024)
 REWARD_OF = {"sd3": "PickScore (ViT-H/14)", "flux": "HPSv2.1 (ViT-H/14)"}
 WORLD = 8  # the recipes' processes
+REAL_GPU = False  # --gpu: measuring on this machine's GPU, not on fake CUDA
 AMP_OF = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}
 GIB = 2 ** 30
 
@@ -142,35 +153,56 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 # --------------------------------------------------------------------------- measuring
 
 
-def peak_bytes(gpu, fn):
-    """Peak bytes of live CUDA tensors while fn() runs, what is resident before it included (tests/fake_cuda.py's
-    DeviceMemory: storages of fake CUDA tensors, counted until their last tensor dies)."""
+def peak_bytes(fn):
+    """Peak bytes of CUDA tensors while fn() runs, what is resident before it included, from torch.cuda's own
+    counters: on a GPU the caching allocator's; under fake CUDA tests/fake_cuda.py's DeviceMemory answers them
+    (storages of fake CUDA tensors, counted until their last tensor dies). -> (allocated, reserved): reserved is
+    the allocator's peak reservation on a GPU (None under fake CUDA); (None, None) if it does not fit."""
     import gc
 
+    import torch
+
     gc.collect()
-    gpu.memory.reset_peak()
-    fn()
-    gc.collect()
-    return gpu.memory.peak
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved() if REAL_GPU else None
+    except torch.cuda.OutOfMemoryError:
+        return None, None
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def tensor_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this process holds: a DTensor (FSDP2's shard) counts its local part."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
-def measure(gpu, kind, full_finetune):
-    """Every phase of one configuration -> (rows of (phase, GiB, what is resident / the batch), its args)."""
+def measure(kind, full_finetune, fsdp=False):
+    """Every phase of one configuration -> (rows of (phase, bytes, reserved bytes or None, what), its args).
+    fsdp: as rank 0 of WORLD processes under --fsdp (tests/fake_cuda.py's fake_processes is entered by the caller)."""
+    import gc
+
     import torch
 
     import vgrpo
 
     flags = ["--model", kind, "--device", "cuda", "--output-dir", "/tmp/vgrpo-memory"]
     flags += ["--full-finetune"] if full_finetune else []
+    flags += ["--fsdp"] if fsdp else []
     args = vgrpo.parse_args(flags)
     args.micro_batch = math_gcd_micro_batch(args)
+    if fsdp:
+        vgrpo.setup_distributed("cuda")  # the fake process group of WORLD processes
     reward_fn, reward_model = build_reward(AMP_OF[args.mixed_precision])  # on the GPU for the whole run
     family = build_family(kind, args)
-    params = vgrpo.add_trainable_weights(family, args)
+    vgrpo.add_trainable_weights(family, args)
+    model = vgrpo.wrap_for_training(family, args, WORLD if fsdp else 1, family.device)
+    params = [p for p in family.transformer.parameters() if p.requires_grad]  # after sharding: the local shards
     optimizer = torch.optim.AdamW(params, lr=args.lr, fused=True)
     device, amp = family.device, family.amp_dtype
     samples = args.prompts_per_step // WORLD * args.group_size          # this process's rollout
@@ -179,12 +211,6 @@ def measure(gpu, kind, full_finetune):
             torch.zeros(samples, *pooled_shape, dtype=cond_dtype, device=device))
     o = torch.zeros(samples, *family.latent_shape, device=device)
     images = torch.zeros(samples, 3, args.resolution, args.resolution, device=device)
-    rows = []
-    weights = tensor_bytes(family.transformer.parameters())
-    n_weights = sum(p.numel() for p in family.transformer.parameters())
-    n_trained = sum(p.numel() for p in params)
-    rows.append(("weights (transformer)", weights, f"{n_weights / 1e9:.2f} B parameters, {len(params)} trained "
-                 f"tensors ({n_trained / 1e6:.1f} M)"))
     sigmas = family.sigma_grid(args.sample_steps)
 
     def minibatch(n):
@@ -192,6 +218,7 @@ def measure(gpu, kind, full_finetune):
         return {"o": o[:n], "cond": tuple(t[:n] for t in cond), "A": torch.zeros(n, device=device),
                 "sigmas": sigmas[:args.n_mc].to(device).expand(n, args.n_mc), "eps": eps}
 
+    phases = []
     one = dataclasses.replace(args, group_size=args.micro_batch, inner_steps=1)   # one micro-batch and the step
     for checkpointing in (True, False):
         if checkpointing:
@@ -199,38 +226,42 @@ def measure(gpu, kind, full_finetune):
         else:
             family.transformer.disable_gradient_checkpointing()
         batch = minibatch(args.micro_batch)
-        peak = peak_bytes(gpu, lambda: vgrpo.update(family, family.transformer, optimizer, params, batch, one, 1))
-        rows.append((f"update, checkpointing {'on' if checkpointing else 'off'}", peak,
-                     f"{args.micro_batch} samples x {args.n_mc} pairs per forward, then fused AdamW"))
-    states = tensor_bytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
-    rows.insert(1, ("AdamW states", states, "exp_avg + exp_avg_sq (float32) of the trained weights"))
-    import gc
-
-    gc.collect()
-    gpu.memory.reconcile()
-    rows.insert(2, ("resident between phases", gpu.memory.current, "weights, VAE, reward model, AdamW states, the "
-                    "rollout's latents and conditioning, the images: in every row below"))
+        phases.append((f"update, checkpointing {'on' if checkpointing else 'off'}", *peak_bytes(
+            lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1)),
+            f"{args.micro_batch} samples x {args.n_mc} pairs per forward, then fused AdamW"))
+        optimizer.zero_grad(set_to_none=True)  # what an update that ran out of memory left
     family.transformer.enable_gradient_checkpointing()
+    n_weights = sum(p.numel() for p in family.transformer.parameters())
+    gc.collect()
+    sizes = [("weights (transformer)", tensor_bytes(family.transformer.parameters()), None,
+              f"{n_weights / 1e9:.2f} B parameters, {len(params)} trained tensors "
+              f"({sum(p.numel() for p in params) / 1e6:.1f} M)"),
+             ("AdamW states", tensor_bytes(t for s in optimizer.state.values() for t in s.values() if t.dim() > 0),
+              None, "exp_avg + exp_avg_sq (float32) of the trained weights"),
+             ("resident between phases", torch.cuda.memory_allocated(), None, "weights, VAE, reward model, AdamW "
+              "states, the rollout's latents and conditioning, the images: in every row below")]
     batch = minibatch(args.micro_batch)
-    rows.append(("old surrogate (one micro-batch)", peak_bytes(
-        gpu, lambda: torch.no_grad()(vgrpo.surrogate)(family, family.transformer, batch["o"], batch["sigmas"],
+    phases.append(("old surrogate (one micro-batch)", *peak_bytes(
+        lambda: torch.no_grad()(vgrpo.surrogate)(family, family.transformer, batch["o"], batch["sigmas"],
                                                  batch["eps"], batch["cond"], args.weighting)),
         "no gradients" + ("; the recipe has 1 inner step, so no old pass" if args.inner_steps == 1 else "")))
     n = min(args.sample_batch, samples)
     noise = torch.zeros(n, *family.latent_shape, device=device)
     two_steps = sigmas[-3:]  # every ODE step costs the same: two of them reach the rollout's peak
-    rows.append((f"rollout ({n} per pass)", peak_bytes(
-        gpu, lambda: vgrpo.rollout(family, family.transformer, tuple(t[:n] for t in cond), noise, two_steps, args),
-        ), f"--sample-batch {args.sample_batch}, {args.sampler}"))
-    rows.append((f"VAE decode ({args.decode_batch} per pass)", peak_bytes(
-        gpu, lambda: vgrpo.decode(family, o, args.decode_batch)),
+    phases.append((f"rollout ({n} per pass)", *peak_bytes(
+        lambda: vgrpo.rollout(family, family.transformer, tuple(t[:n] for t in cond), noise, two_steps, args)),
+        f"--sample-batch {args.sample_batch}, {args.sampler}"))
+    phases.append((f"VAE decode ({args.decode_batch} per pass)", *peak_bytes(
+        lambda: vgrpo.decode(family, o, args.decode_batch)),
         f"all {samples} latents of the rollout, {args.resolution} px; VAE "
         f"{tensor_bytes(family.pipe.vae.parameters()) / GIB:.2f} GiB"))
+    phases.append((f"VAE decode ({n} per pass, one per rollout pass)", *peak_bytes(
+        lambda: vgrpo.decode(family, o, n)), "for comparison: what --decode-batch avoids"))
     prompts = ["a photograph of a red fox in the snow"] * samples
-    rows.append((f"reward: {REWARD_OF[kind]}", peak_bytes(gpu, lambda: reward_fn(images, prompts)),
-                 f"all {samples} images in one call, {tensor_bytes(reward_model.parameters()) / GIB:.2f} GiB of "
-                 "weights"))
-    return rows, args
+    phases.append((f"reward: {REWARD_OF[kind]}", *peak_bytes(lambda: reward_fn(images, prompts)),
+                   f"all {samples} images in one call, {tensor_bytes(reward_model.parameters()) / GIB:.2f} GiB of "
+                   "weights"))
+    return sizes + phases, args
 
 
 def math_gcd_micro_batch(args):
@@ -239,79 +270,218 @@ def math_gcd_micro_batch(args):
     return math.gcd(args.prompts_per_step // WORLD * args.group_size // args.inner_steps, 4)
 
 
+def gib(value):
+    return "OOM" if value is None else f"{value / GIB:.2f}"
+
+
+def config_title(name):
+    kind, training = name.split(" ", 1)
+    return f"{'SD3.5-Medium' if kind == 'sd3' else 'FLUX.1-dev'}, {training}"
+
+
+NOT_COUNTED = [
+    "## Not in these numbers", "",
+    "- The CUDA context, allocated at the first CUDA call: about 0.5-1 GiB on H100 / H200 class GPUs with CUDA 12 "
+    "(driver, kernels of torch, cuBLAS / cuDNN handles; cuBLAS adds a workspace per stream, tens of MiB). "
+    "`python bench/memory.py --gpu` measures it: `torch.cuda.mem_get_info()`'s used memory after `torch.cuda.init()` "
+    "minus `torch.cuda.memory_reserved()`.",
+    "- The caching allocator's overhead: allocations are rounded up (512 B, and 2 MiB segments for large blocks) and "
+    "freed blocks stay reserved; `memory_reserved() - memory_allocated()` is typically 5-20% over a training "
+    "iteration, more when many shapes alternate (rollout vs. update here). `--gpu` reports each phase's reservation.",
+    "- Pinned host memory (the prompt-embedding store) and everything on the CPU (text encoders offloaded).",
+    "- DDP's gradient buckets (several processes without --fsdp): vgrpo wraps with gradient_as_bucket_view, so the "
+    "gradients are views into DDP's buckets, which stay allocated between steps instead of being freed by zero_grad. "
+    "The update rows already hold the gradients; add the trained weights' float32 size (half the AdamW states row) "
+    "to the other phases' rows: 0.1 / 0.5 GiB with LoRA (SD3.5-M / FLUX.1-dev), 8.4 / 44 GiB with full "
+    "fine-tuning. One process (one GPU) has no buckets; under --fsdp the sharded gradients are counted.", ""]
+
+
 def write_report(results, seconds, path):
+    """results: {"sd3 LoRA r32": {"settings": str, "one": rows, "fsdp": rows}, ...} -> markdown, and the same as
+    JSON beside it (what --gpu compares with)."""
     lines = ["# Peak GPU memory per phase (fake CUDA, the real shapes)", "",
              "`python bench/memory.py` (bench/memory.py says how). One process of 8, each recipe's batch settings "
-             "(vgrpo.RECIPES). The first two rows are sizes; the phases' rows are the GiB of live CUDA tensors at "
-             "the phase's peak, the resident state included "
+             "(vgrpo.RECIPES), without and with `--fsdp`. The first three rows are sizes; the phases' rows are "
+             "the GiB of live CUDA tensors at the phase's peak, the resident state included "
              "(transformer weights, LoRA / trained weights, AdamW states, the rollout's latents and conditioning, "
-             "the decoded images for the reward). Measured in "
-             f"{seconds:.0f} s of CPU on a 2-core machine, no GPU.", ""]
-    for (kind, full), (rows, args) in results.items():
-        lines += [f"## {'SD3.5-Medium' if kind == 'sd3' else 'FLUX.1-dev'}, "
-                  f"{'full fine-tuning' if full else f'LoRA r{args.lora_rank}'}", "",
-                  f"{args.resolution} px, {args.mixed_precision}, P {args.prompts_per_step} x G {args.group_size} "
-                  f"over {WORLD} processes, N_MC {args.n_mc}, micro-batch {args.micro_batch}, sample batch "
-                  f"{args.sample_batch}, decode batch {args.decode_batch}, {args.inner_steps} inner step(s)", "",
-                  "| phase | GiB | what |", "| --- | ---: | --- |"]
-        lines += [f"| {phase} | {value / GIB:.2f} | {what} |" for phase, value, what in rows]
+             "the decoded images for the reward). Measured under fake CUDA, not on a GPU, in "
+             f"{seconds:.0f} s of CPU on a 2-core machine. Two runs differ by up to 0.4 GiB (when the garbage "
+             "collector frees fake tensors), and under --fsdp by up to 1.1 GiB: FLUX.1-dev LoRA's resident row "
+             "took 7.4-8.5 GiB over 6 runs, with Python's hash seed (which all-gathered buffers are still alive "
+             "when a phase starts).", "",
+             "Under `--fsdp` the process is rank 0 of 8 with torch's fake process group (tests/fake_cuda.py, "
+             "fake_processes): FSDP2's own all-gather and reduce-scatter buffers are allocated as on a GPU, and the "
+             "collectives move no data. Its rows count the block being computed and the next one FSDP2 prefetches.",
+             ""]
+    for name, result in results.items():
+        sharded = {row[0]: row[1] for row in result["fsdp"]}
+        lines += [f"## {config_title(name)}", "", result["settings"], "",
+                  f"| phase | GiB | GiB with --fsdp over {WORLD} | what |", "| --- | ---: | ---: | --- |"]
+        lines += [f"| {phase} | {gib(value)} | {gib(sharded[phase])} | {what} |"
+                  for phase, value, _, what in result["one"]]
         lines.append("")
-    lines += ["## Not in these numbers", "",
-              "- The CUDA context, allocated at the first CUDA call: about 0.5-1 GiB on H100 / H200 class GPUs with "
-              "CUDA 12 (driver, kernels of torch, cuBLAS / cuDNN handles; cuBLAS adds a workspace per stream, "
-              "tens of MiB). Read it on the GPU as `torch.cuda.mem_get_info()` used after `torch.cuda.init()` minus "
-              "`torch.cuda.memory_reserved()`.",
-              "- The caching allocator's overhead: allocations are rounded up (512 B, and 2 MiB segments for large "
-              "blocks) and freed blocks stay reserved; `memory_reserved() - memory_allocated()` is typically 5-20% "
-              "over a training iteration, more when many shapes alternate (rollout vs. update here).",
-              "- Pinned host memory (the prompt-embedding store) and everything on the CPU (text encoders offloaded).",
-              "- --fsdp (8 processes): not measured. torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker needs "
-              "fully_shard over a process group, and FSDP2 makes CUDA streams and events for its all-gathers, which "
-              "the CPU build of torch cannot create (torch.cuda.Stream needs the CUDA runtime); a fake process group "
-              "with Python stand-ins for the streams was not attempted. By construction FSDP2 divides the weights, "
-              "gradients and AdamW states (the first two rows, and the gradients inside the update rows) by the "
-              "number of processes and adds the all-gathered blocks being computed (one or two).",
-              ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines + NOT_COUNTED))
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def write_gpu_report(results, fake, device_name, context, seconds, path):
+    """The GPU's own counters per phase beside the fake-CUDA numbers of the same code (results/memory.json)."""
+    lines = [f"# Peak GPU memory per phase, measured on {device_name}", "",
+             f"`python bench/memory.py --gpu`, {seconds:.0f} s: the same code as results/memory.md (random weights "
+             "of the real shapes), run on the GPU. allocated: `torch.cuda.max_memory_allocated()` over the phase, "
+             "to compare with the fake-CUDA bytes; reserved: `max_memory_reserved()`, the caching allocator's "
+             "slack included. `--fsdp` columns: rank 0 of 8 with the fake process group on one GPU. OOM: does not "
+             f"fit on this GPU. The CUDA context took {gib(context)} GiB here (used memory after "
+             "`torch.cuda.init()` minus what torch reserved).", ""]
+    for name, result in results.items():
+        columns = []
+        for key in ("one", "fsdp"):
+            faked = {row[0]: row[1] for row in fake.get(name, {}).get(key, [])}
+            measured = {row[0]: row[1:3] for row in result.get(key, [])}
+            columns.append((faked, measured))
+        phases = [row[0] for row in result.get("one") or result.get("fsdp") or []]
+        lines += [f"## {config_title(name)}", ""]
+        if phases:
+            lines += [result["settings"], "", "| phase | fake CUDA | allocated | reserved | fake CUDA, --fsdp | "
+                      "allocated, --fsdp | reserved, --fsdp |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for phase in phases:
+            cells = []
+            for faked, measured in columns:
+                allocated, reserved = measured.get(phase, (None, None))
+                cells += [gib(faked[phase]) if phase in faked else "-", gib(allocated) if phase in measured else "-",
+                          "" if reserved is None else gib(reserved)]
+            lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+        lines += [""] + [f"- {note}" for note in result["notes"]] + [""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
 
-def measure_one(kind, full_finetune):
-    """One configuration, in a fresh fake-CUDA worker process (so nothing of an earlier one is still counted)."""
+def describe_settings(args):
+    return (f"{args.resolution} px, {args.mixed_precision}, P {args.prompts_per_step} x G {args.group_size} over "
+            f"{WORLD} processes, N_MC {args.n_mc}, micro-batch {args.micro_batch}, sample batch {args.sample_batch}, "
+            f"decode batch {args.decode_batch}, {args.inner_steps} inner step(s)")
+
+
+def measure_one(kind, full_finetune, fsdp):
+    """One configuration on fake CUDA, in a fresh worker process (nothing of an earlier one is still counted)."""
+    import contextlib
+
     import torch
 
     import vgrpo
 
     vgrpo.quiet_libraries()
-    with fake_cuda.FakeCuda(strict=False) as gpu, \
+    with fake_cuda.fake_processes(WORLD) if fsdp else contextlib.nullcontext(), \
+            fake_cuda.FakeCuda(strict=False) as gpu, \
             fake_cuda._patched(torch.nn.functional, "scaled_dot_product_attention", fused_attention):
-        rows, args = measure(gpu, kind, full_finetune)
+        rows, args = measure(kind, full_finetune, fsdp)
         if gpu.mixes:
             print(f"device mixes seen: {gpu.mixes[:3]}", file=sys.stderr)
-    return rows, types.SimpleNamespace(**dataclasses.asdict(args))
+    return rows, describe_settings(args)
+
+
+def measure_on_gpu(kind, full_finetune, fsdp):
+    """One configuration on this machine's GPU; the weights of the last one are freed first."""
+    import contextlib
+    import gc
+
+    import torch
+
+    try:
+        with fake_cuda.fake_processes(WORLD) if fsdp else contextlib.nullcontext():
+            rows, args = measure(kind, full_finetune, fsdp)
+        return rows, describe_settings(args)
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def config_name(kind, full):
+    return f"{kind} {'full fine-tuning' if full else 'LoRA r32'}"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="sd3,flux")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "memory.md"))
+    parser.add_argument("--out", help="markdown, its JSON beside it (default: results/memory.md; with --gpu, "
+                        "results/memory-gpu.md)")
     parser.add_argument("--lora-only", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="measure on this machine's GPU with the caching "
+                        "allocator's own counters, beside the fake-CUDA numbers of --fake-results")
+    parser.add_argument("--fake-results", default=os.path.join(RESULTS, "memory.json"))
+    parser.add_argument("--time-limit", type=float, default=float("inf"),
+                        help="--gpu: seconds after which no configuration starts")
     args = parser.parse_args(argv)
+    args.out = args.out or os.path.join(RESULTS, "memory-gpu.md" if args.gpu else "memory.md")
+    configs = [(kind, full) for kind in args.models.split(",")
+               for full in ((False,) if args.lora_only else (False, True))]
+    start, results = time.time(), {}
+    if args.gpu:
+        return main_on_gpu(args, configs, start)
     library, why = fake_cuda.build_library()
     if library is None:
-        print(f"bench/memory.py: {why}", file=sys.stderr)
+        print(f"bench/memory.py: {why} (on a GPU machine: --gpu)", file=sys.stderr)
         return 2
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    start, results = time.time(), {}
-    for kind in args.models.split(","):
-        for full in (False,) if args.lora_only else (False, True):
-            t = time.time()
+    for kind, full in configs:
+        t, name, result = time.time(), config_name(kind, full), {}
+        for key, fsdp in (("one", False), ("fsdp", True)):
             with fake_cuda.Worker(library, env) as worker:  # the fake CUDA hooks exist only in a preloaded process
-                results[kind, full] = worker.call("bench.memory", "measure_one", kind=kind, full_finetune=full)
-            print(f"{kind} {'full' if full else 'lora'}: {time.time() - t:.0f} s", flush=True)
-            for phase, value, _ in results[kind, full][0]:
-                print(f"  {phase:40s} {value / GIB:8.2f} GiB", flush=True)
+                result[key], result["settings"] = worker.call("bench.memory", "measure_one", kind=kind,
+                                                              full_finetune=full, fsdp=fsdp)
+        results[name] = result
+        print(f"{name}: {time.time() - t:.0f} s  (GiB; with --fsdp over {WORLD})", flush=True)
+        for row, sharded in zip(result["one"], result["fsdp"]):
+            print(f"  {row[0]:48s} {gib(row[1]):>8s} {gib(sharded[1]):>8s}", flush=True)
     write_report(results, time.time() - start, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def main_on_gpu(args, configs, start):
+    global REAL_GPU
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench/memory.py --gpu: no CUDA device here (without --gpu it measures on fake CUDA)", file=sys.stderr)
+        return 2
+    REAL_GPU = True
+    import vgrpo
+
+    vgrpo.quiet_libraries()
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    context = total - free - torch.cuda.memory_reserved()
+    fake = {}
+    if os.path.isfile(args.fake_results):
+        with open(args.fake_results) as f:
+            fake = json.load(f)
+    results = {}
+    for kind, full in configs:
+        name, result, notes = config_name(kind, full), {}, []
+        for key, fsdp in (("one", False), ("fsdp", True)):
+            label = f"--fsdp over {WORLD}" if fsdp else "one process"
+            need = {row[0]: row[1] for row in fake.get(name, {}).get(key, [])}.get("update, checkpointing on")
+            if need and need > total:
+                notes.append(f"{label}: not run, fake CUDA's update peak {gib(need)} GiB exceeds this GPU's "
+                             f"{gib(total)} GiB")
+            elif time.time() - start > args.time_limit:
+                notes.append(f"{label}: not run, --time-limit {args.time_limit:.0f} s reached")
+            else:
+                try:
+                    result[key], result["settings"] = measure_on_gpu(kind, full, fsdp)
+                except torch.cuda.OutOfMemoryError:
+                    notes.append(f"{label}: the weights and optimizer states alone do not fit")
+                except Exception as e:  # noqa: BLE001 - one configuration's failure is reported, the rest run
+                    notes.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        result["notes"] = notes
+        results[name] = result
+        print(f"{name}: {time.time() - start:.0f} s {'; '.join(notes)}", flush=True)
+    write_gpu_report(results, fake, torch.cuda.get_device_name(), context, time.time() - start, args.out)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump(results, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

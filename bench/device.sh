@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one short run on a GPU machine, each part under a time limit, about 9 minutes in all.
+# The GPU check: one short run on a GPU machine, each part under a time limit, at most 8 minutes in all.
 #   bench/gpu.py           seconds, TFLOP/s and peak memory of rollout / old surrogate / update at the real shapes
 #   bench/memory.py --gpu  every phase's peak (allocated and reserved) beside results/memory.json's fake-CUDA bytes,
 #                          and the CUDA context's size
@@ -15,6 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results}
+mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -26,7 +27,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__,
       'transformers', transformers.__version__, 'peft', peft.__version__)"
 } 2>&1 | tee "$out/device.txt"
-timeout 280 python3 bench/gpu.py --time-limit 200 --out "$out/gpu.md"
+timeout 240 python3 bench/gpu.py --time-limit 170 --out "$out/gpu.md"
 echo "bench/gpu.py: exit $?"
-timeout 280 python3 bench/memory.py --gpu --time-limit 200 --out "$out/memory-gpu.md"
+timeout 240 python3 bench/memory.py --gpu --time-limit 170 --out "$out/memory-gpu.md"
 echo "bench/memory.py --gpu: exit $?"

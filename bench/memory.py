@@ -164,11 +164,12 @@ def peak_bytes(fn):
 
     gc.collect()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # what earlier phases freed is not this phase's reservation
     torch.cuda.reset_peak_memory_stats()
     try:
         fn()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved() if REAL_GPU else None
+        return torch.cuda.max_memory_allocated(), (torch.cuda.max_memory_reserved() if REAL_GPU else None)
     except torch.cuda.OutOfMemoryError:
         return None, None
     finally:
@@ -218,19 +219,29 @@ def measure(kind, full_finetune, fsdp=False):
         return {"o": o[:n], "cond": tuple(t[:n] for t in cond), "A": torch.zeros(n, device=device),
                 "sigmas": sigmas[:args.n_mc].to(device).expand(n, args.n_mc), "eps": eps}
 
-    phases = []
     one = dataclasses.replace(args, group_size=args.micro_batch, inner_steps=1)   # one micro-batch and the step
-    for checkpointing in (True, False):
+
+    def update_peak(checkpointing):
         if checkpointing:
             family.transformer.enable_gradient_checkpointing()
         else:
             family.transformer.disable_gradient_checkpointing()
         batch = minibatch(args.micro_batch)
-        phases.append((f"update, checkpointing {'on' if checkpointing else 'off'}", *peak_bytes(
+        row = (f"update, checkpointing {'on' if checkpointing else 'off'}", *peak_bytes(
             lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1)),
-            f"{args.micro_batch} samples x {args.n_mc} pairs per forward, then fused AdamW"))
+            f"{args.micro_batch} samples x {args.n_mc} pairs per forward, then fused AdamW")
         optimizer.zero_grad(set_to_none=True)  # what an update that ran out of memory left
-    family.transformer.enable_gradient_checkpointing()
+        family.transformer.enable_gradient_checkpointing()
+        return row
+
+    phases = [update_peak(True)]
+    if not optimizer.state:
+        # on a real GPU under the fake process group the all-gathered weights are never filled: a non-finite
+        # gradient makes update() skip its step, which would leave the AdamW states unmade (and uncounted)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     n_weights = sum(p.numel() for p in family.transformer.parameters())
     gc.collect()
     sizes = [("weights (transformer)", tensor_bytes(family.transformer.parameters()), None,
@@ -261,6 +272,8 @@ def measure(kind, full_finetune, fsdp=False):
     phases.append((f"reward: {REWARD_OF[kind]}", *peak_bytes(lambda: reward_fn(images, prompts)),
                    f"all {samples} images in one call, {tensor_bytes(reward_model.parameters()) / GIB:.2f} GiB of "
                    "weights"))
+    # last: on a GPU it runs out of memory for FLUX.1-dev, which can leave FSDP2 holding gathered weights
+    phases.insert(1, update_peak(False))
     return sizes + phases, args
 
 
@@ -333,8 +346,9 @@ def write_gpu_report(results, fake, device_name, context, seconds, path):
              "of the real shapes), run on the GPU. allocated: `torch.cuda.max_memory_allocated()` over the phase, "
              "to compare with the fake-CUDA bytes; reserved: `max_memory_reserved()`, the caching allocator's "
              "slack included. `--fsdp` columns: rank 0 of 8 with the fake process group on one GPU. OOM: does not "
-             f"fit on this GPU. The CUDA context took {gib(context)} GiB here (used memory after "
-             "`torch.cuda.init()` minus what torch reserved).", ""]
+             f"fit on this GPU. Memory used outside torch's allocator (used memory minus what torch reserved): "
+             f"{gib(context[0])} GiB after `torch.cuda.init()`, {gib(context[1])} GiB after the runs (the CUDA "
+             "context, kernels loaded lazily, cuBLAS / cuDNN handles and workspaces).", ""]
     for name, result in results.items():
         columns = []
         for key in ("one", "fsdp"):
@@ -451,9 +465,12 @@ def main_on_gpu(args, configs, start):
     import vgrpo
 
     vgrpo.quiet_libraries()
+    def outside_torch():  # the CUDA context, the libraries' handles and workspaces (and any other process)
+        free, total = torch.cuda.mem_get_info()
+        return total - free - torch.cuda.memory_reserved(), total
+
     torch.cuda.init()
-    free, total = torch.cuda.mem_get_info()
-    context = total - free - torch.cuda.memory_reserved()
+    context_at_init, total = outside_torch()
     fake = {}
     if os.path.isfile(args.fake_results):
         with open(args.fake_results) as f:
@@ -479,9 +496,11 @@ def main_on_gpu(args, configs, start):
         result["notes"] = notes
         results[name] = result
         print(f"{name}: {time.time() - start:.0f} s {'; '.join(notes)}", flush=True)
-    write_gpu_report(results, fake, torch.cuda.get_device_name(), context, time.time() - start, args.out)
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+        # after every configuration, so that a run cut short by a timeout leaves what it measured
+        context = (context_at_init, outside_torch()[0])
+        write_gpu_report(results, fake, torch.cuda.get_device_name(), context, time.time() - start, args.out)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump(results, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -7,7 +7,8 @@
         run, start = vgrpo.start_run(args)            # args.device == "cuda"
         vgrpo.train_iteration(run, 0)
     gpu.counts["d2h_sync"], gpu.counts["h2d_copy"], gpu.mixes, gpu.where, gpu.memory.peak (bytes)
-    # rank 0 of 8 processes (--fsdp, DDP): with fake_processes(8): ... vgrpo.start_run(args) ...
+    # rank 0 of 8 processes under --fsdp (not DDP): with fake_processes(8): ... vgrpo.start_run(args) ...
+    # (vgrpo.check_ranks_agree and any_rank read other ranks' values: tests/test_fake_cuda.py replaces their verdicts)
 
 How it works. A CUDA tensor is a torch._subclasses.fake_tensor.FakeTensor whose fake device is cuda:0: shape,
 dtype, strides and autograd history but no data (its storage is on "meta"), so a 12 B-parameter model costs no

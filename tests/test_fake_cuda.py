@@ -141,6 +141,16 @@ def test_strict_mode_fails_on_an_op_mixing_a_cpu_array_with_a_cuda_tensor(worker
     assert got["scalar_ok"] and got["transfer_counts"] == {"h2d_copy": 1, "d2h_sync": 2}
 
 
+def test_the_tier_skips_with_one_line_where_the_library_cannot_be_built(tmp_path, monkeypatch):
+    from tests import fake_cuda
+
+    monkeypatch.setenv("PATH", str(tmp_path))                           # no compiler, no ninja
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))   # nothing built before
+    library, why = fake_cuda.build_library.__wrapped__()
+    assert library is None and why.startswith("cannot build the fake CUDA library for torch ")
+    assert "\n" not in why and len(why) < 300 and why.split(": ", 1)[1].strip()
+
+
 def test_syncs_and_copies_do_not_grow_with_micro_batches_or_ode_steps(worker, tmp_path):
     """At the SD3.5-M stand-in's shape (LoRA, bf16, checkpointing, PickScore): 16 samples per iteration in 1, 4 or
     16 micro-batches, with 4 or 8 ODE steps: the same device-to-host syncs and host-to-device copies."""
@@ -223,8 +233,8 @@ def sharded_iteration(flags, output_dir, world):
         except vgrpo.FatalError:  # two dummies compared: "different"
             pass
 
-    def any_rank(flag, world, device):
-        real[1](flag, world, device)
+    def any_rank(flag, processes, device):
+        real[1](flag, processes, device)
         return bool(flag)
 
     def counting_old(*a, **k):

@@ -185,7 +185,14 @@ def tensor_bytes(tensors):
 
 def measure(kind, full_finetune, fsdp=False):
     """Every phase of one configuration -> (rows of (phase, bytes, reserved bytes or None, what), its args).
-    fsdp: as rank 0 of WORLD processes under --fsdp (tests/fake_cuda.py's fake_processes is entered by the caller)."""
+    fsdp: as rank 0 of WORLD processes in torch's fake process group (tests/fake_cuda.py's fake_processes)."""
+    import contextlib
+
+    with fake_cuda.fake_processes(WORLD) if fsdp else contextlib.nullcontext():
+        return measure_phases(kind, full_finetune, fsdp)
+
+
+def measure_phases(kind, full_finetune, fsdp):
     import gc
 
     import torch
@@ -198,7 +205,7 @@ def measure(kind, full_finetune, fsdp=False):
     args = vgrpo.parse_args(flags)
     args.micro_batch = math_gcd_micro_batch(args)
     if fsdp:
-        vgrpo.setup_distributed("cuda")  # the fake process group of WORLD processes
+        vgrpo.setup_distributed("cuda")
     reward_fn, reward_model = build_reward(AMP_OF[args.mixed_precision])  # on the GPU for the whole run
     family = build_family(kind, args)
     vgrpo.add_trainable_weights(family, args)
@@ -380,15 +387,12 @@ def describe_settings(args):
 
 def measure_one(kind, full_finetune, fsdp):
     """One configuration on fake CUDA, in a fresh worker process (nothing of an earlier one is still counted)."""
-    import contextlib
-
     import torch
 
     import vgrpo
 
     vgrpo.quiet_libraries()
-    with fake_cuda.fake_processes(WORLD) if fsdp else contextlib.nullcontext(), \
-            fake_cuda.FakeCuda(strict=False) as gpu, \
+    with fake_cuda.FakeCuda(strict=False) as gpu, \
             fake_cuda._patched(torch.nn.functional, "scaled_dot_product_attention", fused_attention):
         rows, args = measure(kind, full_finetune, fsdp)
         if gpu.mixes:
@@ -397,15 +401,13 @@ def measure_one(kind, full_finetune, fsdp):
 
 
 def measure_on_gpu(kind, full_finetune, fsdp):
-    """One configuration on this machine's GPU; the weights of the last one are freed first."""
-    import contextlib
+    """One configuration on this machine's GPU; its weights are freed before the next one starts."""
     import gc
 
     import torch
 
     try:
-        with fake_cuda.fake_processes(WORLD) if fsdp else contextlib.nullcontext():
-            rows, args = measure(kind, full_finetune, fsdp)
+        rows, args = measure(kind, full_finetune, fsdp)
         return rows, describe_settings(args)
     finally:
         gc.collect()

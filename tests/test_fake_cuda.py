@@ -12,6 +12,7 @@ The scenarios (the functions below the tests) run in one worker subprocess start
 LD_PRELOAD (the CUDA hooks must exist before torch is imported); each test calls one and checks what it returns.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -168,13 +169,33 @@ def test_syncs_and_copies_do_not_grow_with_micro_batches_or_ode_steps(worker, tm
 # --------------------------------------------------------------------------- the scenarios (run in the worker)
 
 
-def _start(flags, output_dir, **overrides):
+def _start(flags, output_dir, world=1, **overrides):
     import vgrpo
 
     args = vgrpo.parse_args([*flags, "--device", "cuda", "--output-dir", output_dir, "--iterations", "1",
                              *[f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]])
-    vgrpo.validate(args, 1)
+    vgrpo.validate(args, world)
     return vgrpo.start_run(args)
+
+
+@contextlib.contextmanager
+def _counting_old_surrogate_rows():
+    """A list that gets the rows of every old-surrogate pass while the block runs (the pass runs with inner steps
+    > 1)."""
+    import vgrpo
+
+    rows, real = [], vgrpo.old_surrogate
+
+    def counting(*a, **k):
+        s_old, x0_old = real(*a, **k)
+        rows.append(len(s_old))
+        return s_old, x0_old
+
+    vgrpo.old_surrogate = counting
+    try:
+        yield rows
+    finally:
+        vgrpo.old_surrogate = real
 
 
 def _device_types(tensors):
@@ -190,18 +211,8 @@ def one_iteration(flags, output_dir):
     with FakeCuda(strict=True) as gpu:
         run, start = _start(flags, output_dir)
         gpu.reset_counts()
-        old_rows, real_old = [], vgrpo.old_surrogate
-
-        def counting_old(*a, **k):  # how many rows the old-surrogate pass filled (it runs with inner steps > 1)
-            s_old, x0_old = real_old(*a, **k)
-            old_rows.append(len(s_old))
-            return s_old, x0_old
-
-        vgrpo.old_surrogate = counting_old
-        try:
+        with _counting_old_surrogate_rows() as old_rows:
             stats, images, prompts, r, A = vgrpo.train_iteration(run, start)
-        finally:
-            vgrpo.old_surrogate = real_old
         m = vgrpo.iteration_metrics(run, start, stats, r, A)
         peak_after_reset, resident = gpu.memory.peak, torch.cuda.memory_allocated()
         vgrpo.record(run, m, (images, prompts, r), first=True, last=True)
@@ -222,8 +233,7 @@ def sharded_iteration(flags, output_dir, world):
     import vgrpo
     from tests.fake_cuda import FakeCuda, fake_processes
 
-    real = vgrpo.check_ranks_agree, vgrpo.any_rank, vgrpo.old_surrogate
-    old_rows = []
+    real = vgrpo.check_ranks_agree, vgrpo.any_rank
 
     # Their collectives run (on the fake GPU, in strict mode), but what they answer comes from other ranks' values,
     # which fake collectives do not carry: every .item() reads a dummy. Rank 0's own answer stands in.
@@ -237,25 +247,20 @@ def sharded_iteration(flags, output_dir, world):
         real[1](flag, processes, device)
         return bool(flag)
 
-    def counting_old(*a, **k):
-        s_old, x0_old = real[2](*a, **k)
-        old_rows.append(len(s_old))
-        return s_old, x0_old
-
-    vgrpo.check_ranks_agree, vgrpo.any_rank, vgrpo.old_surrogate = check_ranks_agree, any_rank, counting_old
+    vgrpo.check_ranks_agree, vgrpo.any_rank = check_ranks_agree, any_rank
     try:
         with fake_processes(world), FakeCuda(strict=True) as gpu:
-            args = vgrpo.parse_args([*flags, "--device", "cuda", "--output-dir", output_dir, "--iterations", "1"])
-            vgrpo.validate(args, world)
-            run, start = vgrpo.start_run(args)
-            stats, images, prompts, r, A = vgrpo.train_iteration(run, start)
+            run, start = _start(flags, output_dir, world)
+            with _counting_old_surrogate_rows() as old_rows:
+                stats, images, prompts, r, A = vgrpo.train_iteration(run, start)
             m = vgrpo.iteration_metrics(run, start, stats, r, A)
             names = [n for n, p in run.family.transformer.named_parameters() if p.requires_grad]
             gpu.reset_counts()
             weights = vgrpo.trained_weights(run)
             states = [t for s in run.optimizer.state.values() for t in s.values() if t.dim() > 0]
             return {"mixes": gpu.mixes, "metrics": m, "skipped_steps": stats["skipped_steps"],
-                    "fused": run.optimizer.defaults.get("fused"), "param_types": sorted({type(p).__name__ for p in run.params}),
+                    "fused": run.optimizer.defaults.get("fused"),
+                    "param_types": sorted({type(p).__name__ for p in run.params}),
                     "local_devices": _device_types(p.to_local() for p in run.params),
                     "optimizer_devices": _device_types(t.to_local() for t in states),
                     "global_shapes": [(tuple(p.shape), p.numel()) for p in run.params],
@@ -264,7 +269,7 @@ def sharded_iteration(flags, output_dir, world):
                     "gathered": [list(weights[n].shape) if n in weights else None for n in names],
                     "n_gathered": len(weights), "gathered_devices": _device_types(weights.values())}
     finally:
-        vgrpo.check_ranks_agree, vgrpo.any_rank, vgrpo.old_surrogate = real
+        vgrpo.check_ranks_agree, vgrpo.any_rank = real
 
 
 def evaluation(flags, output_dir):

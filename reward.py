@@ -15,7 +15,8 @@ CLIP models without downloading anything.
 
 Registry names and their scale on a base model (SD3.5-M / FLUX.1-dev), so that weights can be chosen:
 pickscore ~0.22, clipscore ~0.3, hpsv2 ~0.28, aesthetic ~5.5, imagereward ~1.0, ocr ~0.6, jpeg ~-0.2,
-geneval (0 or 1 per image) ~0.63 and geneval_partial in [0, 1] on SD3.5-M; on the pretrained digits model:
+geneval (0 or 1 per image) ~0.63 and geneval_partial in [0, 1] on SD3.5-M (geneval_partial_jpeg: the same on
+quality-75 JPEGs of the images, as Flow-GRPO's server scores them); on the pretrained digits model:
 digit in [0, 1] ~0.33, digit_correct and digit_knn 0 or 1 per image.
 Optional package: ocr needs `pip install rapidocr-onnxruntime`; a missing one raises RewardError naming it.
 imagereward needs no package of its own: it runs ImageReward's checkpoint on transformers' BLIP (load_imagereward).
@@ -89,7 +90,7 @@ def _features(out):
 _TORCH_MODES = {2: "bilinear", 3: "bicubic"}
 
 
-def clip_pixel_values(images, image_processor):
+def clip_pixel_values(images, image_processor, round_crop_offset=False):
     """(B, 3, H, W) floats in [0, 1] -> a CLIP model's pixel_values, float32, on the images' device.
 
     Tensor ops that redo what `image_processor` (CLIPImageProcessor) does to the uint8 pictures: the same uint8
@@ -98,6 +99,8 @@ def clip_pixel_values(images, image_processor):
     rounds and clips to uint8 after each pass; doing the same here brings the result within 2 uint8 levels of
     PIL's, on under 1% of the values (bicubic, test_rewards.py); one pass is up to 24 levels off where enlarged
     detail overshoots [0, 255], and torch's bicubic without antialias (a = -0.75, fixed support) up to 171.
+    The centre crop's offset is rounded down, as transformers' processors do; round_crop_offset=True rounds it to
+    nearest (Python's round, half to even), as torchvision's CenterCrop in open_clip's preprocessing (GenEval's).
     """
     p = image_processor
     x = (images.detach().float().clamp(0, 1) * 255).round()           # the uint8 picture a saved image shows
@@ -120,7 +123,8 @@ def clip_pixel_values(images, image_processor):
         ch, cw = p.crop_size["height"], p.crop_size["width"]
         if ch > h or cw > w:
             raise RewardError(f"crop {ch}x{cw} is larger than the resized image {h}x{w}")
-        top, left = (h - ch) // 2, (w - cw) // 2
+        top, left = (int(round((h - ch) / 2)), int(round((w - cw) / 2))) if round_crop_offset else \
+            ((h - ch) // 2, (w - cw) // 2)
         x = x[..., top:top + ch, left:left + cw]
     if p.do_rescale:
         x = x * p.rescale_factor
@@ -676,11 +680,15 @@ DETECTION_THRESHOLD, COUNTING_THRESHOLD, MAX_OBJECTS, POSITION_SHRINK = 0.3, 0.9
 
 def geneval_objects(detections, tag):
     """Detections [(class name, score, box, mask)] -> {class: [(box, mask), ...]}: per class those scoring above 0.3
-    (0.9 for the counting tag), best first, at most 16, with no non-maximum suppression (GenEval's settings)."""
-    threshold = COUNTING_THRESHOLD if tag == "counting" else DETECTION_THRESHOLD
+    (0.9 for the counting tag), best first, at most 16, with no non-maximum suppression (GenEval's settings). The
+    scores are the detector's float32 and are compared in float32, as GenEval compares its numpy array with the
+    threshold: a score of exactly float32(0.3) is above the double 0.3, not above the threshold."""
+    import numpy as np
+
+    threshold = np.float32(COUNTING_THRESHOLD if tag == "counting" else DETECTION_THRESHOLD)
     objects = {}
     for name, score, box, mask in sorted(detections, key=lambda d: -d[1]):
-        if score > threshold and len(objects.setdefault(name, [])) < MAX_OBJECTS:
+        if np.float32(score) > threshold and len(objects.setdefault(name, [])) < MAX_OBJECTS:
             objects[name].append((box, mask))
     return {name: found for name, found in objects.items() if found}
 
@@ -837,14 +845,20 @@ class GenEval:
     def colours(self, picture, name, found):
         """The colour of each found object: its mask pasted on a #999 background, cropped to its box, classified by
         CLIP zero-shot over GenEval's 10 colours (its 3 templates averaged per colour)."""
+        pixels = self.colour_pixels(picture, found)
+        img = _features(self.clip.get_image_features(pixel_values=pixels.to(self.device, self.dtype)))
+        img = img.float() / img.float().norm(dim=-1, keepdim=True)
+        return [GENEVAL_COLORS[i] for i in (img @ self.colour_classifier(name).T).argmax(1).tolist()]
+
+    def colour_pixels(self, picture, found):
+        """CLIP's input for each found object: its mask over #999 grey, cropped to its box, preprocessed as open_clip
+        does (the centre crop's offset rounded to nearest, as torchvision's CenterCrop)."""
         crops = []
         for (x0, y0, x1, y1), mask in found:
             pasted = torch.where(mask[None].to(picture.device), picture, torch.full_like(picture, 153 / 255))
             crop = pasted[:, int(y0):max(int(y1), int(y0) + 1), int(x0):max(int(x1), int(x0) + 1)]
-            crops.append(clip_pixel_values(crop[None], self.processor.image_processor))
-        img = _features(self.clip.get_image_features(pixel_values=torch.cat(crops).to(self.device, self.dtype)))
-        img = img.float() / img.float().norm(dim=-1, keepdim=True)
-        return [GENEVAL_COLORS[i] for i in (img @ self.colour_classifier(name).T).argmax(1).tolist()]
+            crops.append(clip_pixel_values(crop[None], self.processor.image_processor, round_crop_offset=True))
+        return torch.cat(crops)
 
     @torch.no_grad()
     def judge(self, images, metadata):
@@ -925,6 +939,32 @@ def load_geneval_partial(device, dtype=None):
     mean over the metadata's clauses of how much of each holds, so a group of images none of which is fully right
     still has an order (a 0/1 reward leaves it all equal, with zero advantages). Scale: [0, 1]."""
     return geneval_reward(load_geneval_judge(device, dtype), partial=True)
+
+
+def jpeg_round_trip(images, quality=75):
+    """(B, 3, H, W) in [0, 1] -> the same images after JPEG encoding at `quality` and decoding (PIL), on their
+    device: what Flow-GRPO's GenEval server scores, since its client sends each image as a quality-75 JPEG."""
+    from PIL import Image
+
+    decoded = []
+    for im in to_uint8_images(images):
+        buf = io.BytesIO()
+        im.save(buf, format="JPEG", quality=quality)
+        decoded.append(torch.frombuffer(bytearray(Image.open(buf).convert("RGB").tobytes()), dtype=torch.uint8))
+    h, w = images.shape[-2:]
+    return torch.stack(decoded).view(-1, h, w, 3).permute(0, 3, 1, 2).to(images.device, torch.float32) / 255
+
+
+def load_geneval_partial_jpeg(device, dtype=None):
+    """geneval_partial on the images as Flow-GRPO's GenEval server receives them, JPEG-encoded at quality 75
+    (about 30 ms per 512 px image on a CPU core, well below the detector's pass): for a training run meant to compare
+    with Flow-GRPO's. Scale: [0, 1]."""
+    partial = geneval_reward(load_geneval_judge(device, dtype), partial=True)
+
+    def fn(images, prompts, metadata=None):
+        return partial(jpeg_round_trip(images), prompts, metadata)
+
+    return fn
 
 
 # --------------------------------------------------------------------------- OCR (text rendering)
@@ -1061,7 +1101,7 @@ def python_reward(path, name):
 REWARDS = {"jpeg": load_jpeg, "pickscore": load_pickscore, "clipscore": load_clipscore, "hpsv2": load_hpsv2,
            "aesthetic": load_aesthetic, "imagereward": load_imagereward, "ocr": load_ocr, "digit": load_digit,
            "digit_correct": load_digit_correct, "digit_knn": load_digit_knn, "geneval": load_geneval,
-           "geneval_partial": load_geneval_partial}
+           "geneval_partial": load_geneval_partial, "geneval_partial_jpeg": load_geneval_partial_jpeg}
 
 
 def _split_weight(item):

@@ -2,11 +2,14 @@
 verdicts written here; the detector's post-processing against a hand computation; the colour classifier's text
 embeddings; the rewards loaded under their real ids from the stand-in cache."""
 
+import copy
+import io
 import math
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +41,17 @@ def test_detections_above_0_3_count_and_above_0_9_for_counting():
     dets = [det("cat", 0.31), det("cat", 0.30), det("dog", 0.95), det("dog", 0.85), det("cow", 0.1)]
     assert {k: len(v) for k, v in objects(*dets).items()} == {"cat": 1, "dog": 2}   # 0.30 is not above 0.3
     assert {k: len(v) for k, v in objects(*dets, tag="counting").items()} == {"dog": 1}
+
+
+def test_scores_are_compared_with_the_thresholds_in_float32_as_geneval_does():
+    """GenEval compares the detector's float32 scores with 0.3 (0.9) in float32: a score of exactly float32(0.3) is
+    not above it, though as a double (0.30000001...) it is above the double 0.3; the next float32 up is above. At
+    0.9, whose float32 lies below 0.9, both comparisons agree; the boundary is checked all the same."""
+    at, above = float(np.float32(0.3)), float(np.nextafter(np.float32(0.3), np.float32(1)))
+    assert at > 0.3                                                  # the comparison a double would make
+    assert {k: len(v) for k, v in objects(det("cat", at), det("dog", above)).items()} == {"dog": 1}
+    at, above = float(np.float32(0.9)), float(np.nextafter(np.float32(0.9), np.float32(1)))   # float32(0.9) < 0.9
+    assert {k: len(v) for k, v in objects(det("cat", at), det("dog", above), tag="counting").items()} == {"dog": 1}
 
 
 def test_at_most_16_per_class_best_first_and_no_suppression():
@@ -224,11 +238,56 @@ def test_an_objects_colour_is_clip_on_its_mask_over_grey_cropped_to_its_box(judg
     crop = torch.full_like(picture, 0.6)                              # #999999
     crop[:, mask] = picture[:, mask]
     crop = crop[:, 4:12, 5:25]
-    pixels = reward.clip_pixel_values(crop[None], judge.processor.image_processor)
+    pixels = reward.clip_pixel_values(crop[None], judge.processor.image_processor, round_crop_offset=True)
     with torch.no_grad():
         emb = reward._features(judge.clip.get_image_features(pixel_values=pixels))
     similarity = (emb / emb.norm(dim=-1, keepdim=True)) @ judge.colour_classifier("cat").T
     assert judge.colours(picture, "cat", [(box, mask)]) == [reward.GENEVAL_COLORS[similarity.argmax().item()]]
+
+
+def test_the_colour_crops_centre_offset_rounds_to_nearest_as_torchvisions_center_crop(judge):
+    """open_clip's preprocessing (GenEval's colour classifier) crops with torchvision's CenterCrop, whose offset is
+    int(round((size - crop) / 2)), half to even; transformers' processors round down. A 32 x 33 box resizes to
+    224 x 231: torchvision's offset is round(3.5) = 4 columns, rounding down would give 3."""
+    picture = torch.rand(3, 40, 50)
+    mask = torch.ones(40, 50, dtype=torch.bool)
+    box = (5, 4, 38, 36)                                              # 33 wide, 32 high
+    processor = judge.processor.image_processor
+    uncropped = copy.deepcopy(processor)
+    uncropped.do_center_crop = False
+    resized = reward.clip_pixel_values(picture[None, :, 4:36, 5:38], uncropped)
+    assert resized.shape[-2:] == (224, 231)
+    left = int(round((231 - 224) / 2.0))                              # torchvision's rule
+    assert left == 4
+    expected = resized[..., :, left:left + 224]
+    assert torch.equal(judge.colour_pixels(picture, [(box, mask)]), expected)
+    assert torch.equal(reward.clip_pixel_values(picture[None, :, 4:36, 5:38], processor), resized[..., :, 3:227])
+    for width in range(224, 240):                                     # the rule at every parity, half to even
+        x = torch.rand(1, 3, 224, width)
+        left = int(round((width - 224) / 2.0))
+        assert torch.equal(reward.clip_pixel_values(x, processor, round_crop_offset=True),
+                           reward.clip_pixel_values(x[..., left:left + 224], uncropped))
+
+
+def test_geneval_partial_jpeg_judges_the_quality_75_jpeg_of_each_image(judge):
+    """geneval_partial_jpeg scores what Flow-GRPO's server receives: each image encoded by PIL as a quality-75 JPEG
+    and decoded, here by hand; otherwise it is geneval_partial."""
+    from PIL import Image
+
+    images = torch.rand(3, 3, 24, 24)
+    by_hand = []
+    for image in images:
+        buf = io.BytesIO()
+        Image.fromarray((image * 255).round().byte().permute(1, 2, 0).numpy()).save(buf, format="JPEG", quality=75)
+        by_hand.append(torch.from_numpy(np.asarray(Image.open(buf).convert("RGB"))).permute(2, 0, 1).float() / 255)
+    by_hand = torch.stack(by_hand)
+    assert (by_hand - images).abs().max() > 0.05                      # the encoding changes the pixels
+    assert torch.equal(reward.jpeg_round_trip(images), by_hand)
+    metadata = [{"tag": "single_object", "include": [{"class": "dog", "count": 1}]}] * 3
+    fn = reward.load_reward("geneval_partial_jpeg")
+    scores = fn(images, ["a photo of a dog"] * 3, metadata)
+    assert torch.equal(judge.last[0], by_hand)                        # the judge saw the JPEG's pixels
+    assert torch.equal(scores, reward.load_reward("geneval_partial")(by_hand, ["a photo of a dog"] * 3, metadata))
 
 
 def test_geneval_and_its_partial_score_share_one_detector_pass_per_batch(judge):
@@ -262,7 +321,7 @@ def test_geneval_and_its_partial_score_share_one_detector_pass_per_batch(judge):
         threshold = 0.9 if meta["tag"] == "counting" else 0.3
         objects = {}
         for c, score, box, mask in sorted(found, key=lambda d: -d[1]):
-            if score > threshold and len(objects.setdefault(reward.GENEVAL_CLASSES[c], [])) < 16:
+            if np.float32(score) > np.float32(threshold) and len(objects.setdefault(reward.GENEVAL_CLASSES[c], [])) < 16:
                 objects[reward.GENEVAL_CLASSES[c]].append((box, mask))
         picture = (image * 255).round() / 255
         by_hand.append(reward.geneval_rules(meta, objects, lambda name, objs: judge.colours(picture, name, objs)))

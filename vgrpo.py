@@ -2,7 +2,8 @@
 likelihood surrogate inside GRPO (Tang et al., arXiv 2604.23380). One file: sampler, ELBO surrogate,
 group-normalised advantages, clipped-ratio update and a torchrun training loop. It reads in run order: the
 arguments, the method, one iteration (train_iteration), the training loop (main); below one marked line, what
-supports them (validation, model loading, tiny models, distributed helpers, checkpoints, logging).
+supports them (defaults and validation, the curriculum, model loading, tiny models, distributed helpers,
+checkpoints, logging).
 
 Launch (each line runs as written; --model sd3 / flux default to the paper's recipe for that model, docs/method.md):
     torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore     # the SD3.5-M recipe with PickScore
@@ -87,7 +88,7 @@ class Args:
                                "digits/), sd3 (SD3.5-Medium), flux (FLUX.1-dev), tiny / tiny-flux (random, built in "
                                "code, for tests), or any SD3 / FLUX pipeline id or folder")
     reward: str = arg(None, "reward spec name[:weight],...: pickscore, clipscore, hpsv2, imagereward, aesthetic, "
-                            "ocr, geneval, geneval_partial, digit, digit_correct, digit_knn, jpeg, "
+                            "ocr, geneval, geneval_partial(_jpeg), digit, digit_correct, digit_knn, jpeg, "
                             "http://host:port/path, file.py:function (default: pickscore for SD3, hpsv2 for FLUX, "
                             "digit for the digits model, jpeg:100 for the tiny models)")
     reward_advantage: str = arg("sum", "several rewards: sum (advantage of the weighted sum) or per-reward (sum of "
@@ -141,6 +142,9 @@ class Args:
     gradient_checkpointing: bool = arg(None, "recompute activations in the backward pass (less memory, ~30%% slower; "
                                              "on for real models, off for digits and tiny)")
     tf32: bool = arg(True, "allow TF32 matmuls on CUDA (Ampere and newer)")
+    attention: str = arg("flash,efficient,math", "the attention kernels torch may pick on CUDA, from flash, efficient, "
+                                                 "cudnn, math (all four: torch's own choice); the default leaves out "
+                                                 "cuDNN's, which fails in the backward on Hopper (docs/method.md)")
     offload_text_encoders: bool = arg(True, "keep the text encoders on the CPU except while new prompts are encoded "
                                             "(CUDA)")
     seed: int = arg(0, "seed: every random draw is keyed by (seed, iteration, prompt, member)")
@@ -214,72 +218,7 @@ PRESETS = {
     # the paper adds UnifiedReward, served over HTTP: append ,http://host:port/path to --reward
     "flux-preference": dict(model="flux", reward="hpsv2:1,pickscore:1,imagereward:1"),
 }
-# The paper's SD3.5-M curriculum as one launch: its stages (a preset each) and their lengths, 580 iterations in all.
-# The weights and optimizer carry over from stage to stage; --resume auto continues inside the right one.
-CURRICULA = {"sd3": [{"preset": "sd3-preference", "iterations": 150}, {"preset": "sd3-geneval", "iterations": 200},
-                     {"preset": "sd3-preference", "iterations": 150}, {"preset": "sd3-geneval", "iterations": 50},
-                     {"preset": "sd3-ocr", "iterations": 30}]}
-STAGE_FLAGS = ("reward", "prompts", "n_mc", "adv_soft_clip", "beta", "iterations")  # what the stages set
-
-
-def load_curriculum(name):
-    """--curriculum -> its stages (dicts): a name of CURRICULA or a .json file holding such a list."""
-    if name in CURRICULA:
-        return CURRICULA[name]
-    if not name.endswith(".json") or not os.path.isfile(name):
-        raise UsageError(f"unknown --curriculum '{name}': use {', '.join(CURRICULA)} or a .json file of stages")
-    with open(name) as f:
-        try:
-            stages = json.load(f)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"--curriculum {name}: not JSON ({e.msg})") from None
-    for i, stage in enumerate(stages if isinstance(stages, list) and stages else [None], 1):
-        bad = set(stage) - {"preset", *STAGE_FLAGS} if isinstance(stage, dict) else {"?"}
-        if bad or not isinstance(stage.get("iterations"), int) or stage["iterations"] < 1 or \
-                stage.get("preset", "sd3-preference") not in PRESETS:
-            raise UsageError(f"--curriculum {name}, stage {i}: expected {{\"iterations\": N >= 1, \"preset\": one "
-                             f"of {', '.join(PRESETS)}, or any of {', '.join(STAGE_FLAGS[:-1])}}}")
-    return stages
-
-
-def stage_name(stage, number):
-    return stage.get("preset") or f"stage-{number}"
-
-
-def project_file(path):
-    """A path inside the project, relative to where vgrpo runs (nodes with the project elsewhere agree on it)."""
-    return os.path.relpath(os.path.join(HERE, path))
-
-
-def preset_settings(name):
-    return {k: project_file(v) if k.endswith("prompts") and v else v for k, v in PRESETS[name].items()}
-
-
-def is_tiny(model):
-    return model in ("tiny", "tiny-flux")
-
-
-def resolve_defaults(args, world_size):
-    """Every default in one place: each flag left at None from the model's recipe; the learning rate follows LoRA /
-    full fine-tuning; the micro-batch divides the per-process minibatch; --resume auto names the newest checkpoint."""
-    recipe = RECIPES[args.model if args.model in RECIPES else model_kind(args.model)]
-    for name, value in recipe.items():
-        if getattr(args, name) is None:  # the recipe's files are the project's
-            setattr(args, name, project_file(value) if name.endswith("prompts") and value else value)
-    if args.prompts is None:
-        args.prompts = project_file(TRAIN_PROMPTS)
-    if args.lr is None:
-        args.lr = 2e-3 if is_tiny(args.model) else 1e-5 if args.full_finetune else 3e-4
-    if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
-        args.micro_batch = math.gcd(local_minibatch(args, world_size), 16 if is_tiny(args.model) else 4)
-    if args.resume == "auto":
-        args.resume = latest_checkpoint(args.output_dir) or ""  # nothing saved yet: start from scratch
-    return args
-
-
-def local_minibatch(args, world_size):
-    """Samples per optimizer step on each process: P / world prompt groups of G, split over the inner steps."""
-    return args.prompts_per_step // world_size * args.group_size // max(args.inner_steps, 1)
+# --curriculum (CURRICULA: the paper's SD3.5-M stages as one launch) and resolve_defaults are below the marked line.
 
 
 # --------------------------------------------------------------------------- the method
@@ -479,31 +418,6 @@ class Run:
     @property
     def n_prompts(self):
         return self.args.prompts_per_step // self.world
-
-
-@dataclass
-class Stage:
-    """A stage of --curriculum, or the whole run without one: iterations [start, end) with their own settings
-    (args), reward and prompts; use_stage makes them the run's."""
-    name: str
-    start: int
-    end: int
-    args: Args
-    reward_fn: object = None
-    prompts: list = None
-    metadata: list = None
-
-
-def use_stage(run, it):
-    """Make the stage that iteration `it` belongs to the run's: its settings, reward and prompts (rank 0 says so)."""
-    stage = next(s for s in run.stages if s.start <= it < s.end)
-    if run.args is not stage.args:
-        run.args, run.reward_fn, run.prompts, run.metadata = stage.args, stage.reward_fn, stage.prompts, stage.metadata
-        if run.rank == 0:
-            a = stage.args
-            print(f"vgrpo: stage {run.stages.index(stage) + 1}/{len(run.stages)} {stage.name}, iterations "
-                  f"{stage.start + 1}..{stage.end}: reward {a.reward}, prompts {a.prompts}, N_MC {a.n_mc}, "
-                  f"soft clip {a.adv_soft_clip:g}, beta {a.beta:g}", flush=True)
 
 
 def train_iteration(run, it):
@@ -730,7 +644,8 @@ def main(argv=None):
 
 
 # ======================================================================================================================
-# What supports it: validation, model loading, tiny models, distributed helpers, checkpoints, logging.
+# What supports it: defaults and validation, the curriculum, model loading, tiny models, distributed helpers,
+# checkpoints, logging.
 # ======================================================================================================================
 
 
@@ -741,8 +656,9 @@ def start_run(args):
     """Processes, then (rank 0) the output folder and the resolved configuration, then the model, reward, optimizer
     and a checkpoint to resume from; rank 0 says what will run and trims logs written after that checkpoint."""
     rank, world, device = setup_distributed(args.device, args.dist_timeout)
-    if device.type == "cuda" and args.tf32:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+        choose_attention_kernels(args.attention)
     if rank == 0:
         announce(args)
     run, start = build_run(args, rank, world, device)
@@ -771,6 +687,33 @@ def finish(run, history):
 
 
 # --------------------------------------------------------------------------- the command line and its validation
+
+
+def is_tiny(model):
+    return model in ("tiny", "tiny-flux")
+
+
+def resolve_defaults(args, world_size):
+    """Every default in one place: each flag left at None from the model's recipe; the learning rate follows LoRA /
+    full fine-tuning; the micro-batch divides the per-process minibatch; --resume auto names the newest checkpoint."""
+    recipe = RECIPES[args.model if args.model in RECIPES else model_kind(args.model)]
+    for name, value in recipe.items():
+        if getattr(args, name) is None:  # the recipe's files are the project's
+            setattr(args, name, project_file(value) if name.endswith("prompts") and value else value)
+    if args.prompts is None:
+        args.prompts = project_file(TRAIN_PROMPTS)
+    if args.lr is None:
+        args.lr = 2e-3 if is_tiny(args.model) else 1e-5 if args.full_finetune else 3e-4
+    if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
+        args.micro_batch = math.gcd(local_minibatch(args, world_size), 16 if is_tiny(args.model) else 4)
+    if args.resume == "auto":
+        args.resume = latest_checkpoint(args.output_dir) or ""  # nothing saved yet: start from scratch
+    return args
+
+
+def local_minibatch(args, world_size):
+    """Samples per optimizer step on each process: P / world prompt groups of G, split over the inner steps."""
+    return args.prompts_per_step // world_size * args.group_size // max(args.inner_steps, 1)
 
 
 def command_line(args):
@@ -861,6 +804,8 @@ def validate(args, world_size):
         check_reward_specs(stage)
         check_prompt_files(stage)
         check_sizes(stage, world_size)
+    if not args.attention or set(args.attention.split(",")) - set(ATTENTION_KERNELS):
+        raise UsageError(f"--attention {args.attention!r}: a comma-separated list of {', '.join(ATTENTION_KERNELS)}")
     for name in filter(None, args.report_to.split(",")):
         if name not in ("tensorboard", "wandb"):
             raise UsageError(f"unknown --report-to '{name}': valid choices are tensorboard, wandb")
@@ -964,6 +909,75 @@ def check_resume_matches(args):
             if saved.get(k) != getattr(args, k)]
     if diff:
         raise UsageError(f"--resume {args.resume} belongs to a different configuration: {'; '.join(diff)}")
+
+
+# --------------------------------------------------------------------------- the curriculum: stages of one launch
+
+
+# The paper's SD3.5-M curriculum as one launch: its stages (a preset each) and their lengths, 580 iterations in all.
+# The weights and optimizer carry over from stage to stage; --resume auto continues inside the right one.
+CURRICULA = {"sd3": [{"preset": "sd3-preference", "iterations": 150}, {"preset": "sd3-geneval", "iterations": 200},
+                     {"preset": "sd3-preference", "iterations": 150}, {"preset": "sd3-geneval", "iterations": 50},
+                     {"preset": "sd3-ocr", "iterations": 30}]}
+STAGE_FLAGS = ("reward", "prompts", "n_mc", "adv_soft_clip", "beta", "iterations")  # what the stages set
+
+
+def load_curriculum(name):
+    """--curriculum -> its stages (dicts): a name of CURRICULA or a .json file holding such a list."""
+    if name in CURRICULA:
+        return CURRICULA[name]
+    if not name.endswith(".json") or not os.path.isfile(name):
+        raise UsageError(f"unknown --curriculum '{name}': use {', '.join(CURRICULA)} or a .json file of stages")
+    with open(name) as f:
+        try:
+            stages = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--curriculum {name}: not JSON ({e.msg})") from None
+    for i, stage in enumerate(stages if isinstance(stages, list) and stages else [None], 1):
+        bad = set(stage) - {"preset", *STAGE_FLAGS} if isinstance(stage, dict) else {"?"}
+        if bad or not isinstance(stage.get("iterations"), int) or stage["iterations"] < 1 or \
+                stage.get("preset", "sd3-preference") not in PRESETS:
+            raise UsageError(f"--curriculum {name}, stage {i}: expected {{\"iterations\": N >= 1, \"preset\": one "
+                             f"of {', '.join(PRESETS)}, or any of {', '.join(STAGE_FLAGS[:-1])}}}")
+    return stages
+
+
+def stage_name(stage, number):
+    return stage.get("preset") or f"stage-{number}"
+
+
+def project_file(path):
+    """A path inside the project, relative to where vgrpo runs (nodes with the project elsewhere agree on it)."""
+    return os.path.relpath(os.path.join(HERE, path))
+
+
+def preset_settings(name):
+    return {k: project_file(v) if k.endswith("prompts") and v else v for k, v in PRESETS[name].items()}
+
+
+@dataclass
+class Stage:
+    """A stage of --curriculum, or the whole run without one: iterations [start, end) with their own settings
+    (args), reward and prompts; use_stage makes them the run's."""
+    name: str
+    start: int
+    end: int
+    args: Args
+    reward_fn: object = None
+    prompts: list = None
+    metadata: list = None
+
+
+def use_stage(run, it):
+    """Make the stage that iteration `it` belongs to the run's: its settings, reward and prompts (rank 0 says so)."""
+    stage = next(s for s in run.stages if s.start <= it < s.end)
+    if run.args is not stage.args:
+        run.args, run.reward_fn, run.prompts, run.metadata = stage.args, stage.reward_fn, stage.prompts, stage.metadata
+        if run.rank == 0:
+            a = stage.args
+            print(f"vgrpo: stage {run.stages.index(stage) + 1}/{len(run.stages)} {stage.name}, iterations "
+                  f"{stage.start + 1}..{stage.end}: reward {a.reward}, prompts {a.prompts}, N_MC {a.n_mc}, "
+                  f"soft clip {a.adv_soft_clip:g}, beta {a.beta:g}", flush=True)
 
 
 def curriculum_stages(args):
@@ -1522,6 +1536,21 @@ def distributed():
     return dist.is_available() and dist.is_initialized()
 
 
+ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")  # torch's scaled_dot_product_attention backends
+
+
+def choose_attention_kernels(kernels):
+    """--attention: which of torch's SDPA kernels may run, for the whole process. The flags are global, not a
+    context around a forward pass, so they hold wherever attention runs: the rollout, the surrogates, the backward
+    and checkpointing's recomputation inside it (on autograd's thread, after any context would have closed), the
+    evaluation and the rewards' models. Torch picks the first allowed kernel that supports the inputs."""
+    chosen = set(kernels.split(","))
+    torch.backends.cuda.enable_flash_sdp("flash" in chosen)
+    torch.backends.cuda.enable_mem_efficient_sdp("efficient" in chosen)
+    torch.backends.cuda.enable_cudnn_sdp("cudnn" in chosen)
+    torch.backends.cuda.enable_math_sdp("math" in chosen)
+
+
 def any_rank(flag, world, device):
     """True on every rank if `flag` is true on any rank."""
     if world == 1:
@@ -2015,7 +2044,7 @@ def plot_curves(plt, rows, columns, path):
     single = [k for k in columns if "/" not in k and (k == "reward_mean" or k.startswith("eval_") or
               (k.startswith("reward_") and k not in ("reward_std", "reward_group_std")))]
     tagged = collections.defaultdict(list)
-    for k in columns:
+    for k in sorted(columns, key=lambda k: k.endswith("/mean_of_tags")):  # the mean last, in the legend too
         if "/" in k:
             tagged[k.partition("/")[0]].append(k)
     panels = ([[k] for k in single] + list(tagged.values()))[:8]
@@ -2032,7 +2061,7 @@ def plot_curves(plt, rows, columns, path):
             values = [rows[it][key] for it in its]
             held_out = key.startswith("eval_")
             if len(keys) > 1:  # one line per tag
-                ax.plot(its, values, "o-", lw=1.0, ms=2, label=key.partition("/")[2])
+                ax.plot(its, values, marker="o", ms=2, label=key.partition("/")[2], **tag_line_styles(keys)[key])
                 continue
             ax.plot(its, values, "o-" if held_out else "-", color="tab:orange" if held_out else "tab:blue",
                     alpha=1.0 if held_out else 0.35, lw=1.2, ms=3)
@@ -2053,6 +2082,20 @@ def plot_curves(plt, rows, columns, path):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+TAB10 = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+         "tab:olive", "tab:cyan")
+
+
+def tag_line_styles(keys):
+    """Each tag's line in a per-tag panel: tab10's ten colours, solid, then dashed, dotted and dash-dotted for the
+    tags after the tenth, so no two tags look alike; the mean over the tags thick and black."""
+    styles, tags = {}, [k for k in keys if not k.endswith("/mean_of_tags")]
+    for j, key in enumerate(tags):
+        styles[key] = dict(color=TAB10[j % 10], ls=("-", "--", ":", "-.")[j // 10 % 4], lw=1.0)
+    styles.update({k: dict(color="black", ls="-", lw=2.4) for k in keys if k not in styles})
+    return styles
 
 
 def save_sample_grid(path, images, prompts, rewards, group_size, max_groups=4, max_members=8):

@@ -80,6 +80,8 @@ def test_one_iteration_on_fake_cuda_keeps_every_tensor_on_the_gpu(worker, tmp_pa
     assert got["metrics"]["peak_memory_gib"] * 2**30 > got["resident"] > 0
     assert got["peak_after_reset"] == got["resident"]
     assert got["sample_grid"]
+    # cuDNN attention is left out for the whole process (it fails in the backward on Hopper: docs/method.md)
+    assert got["attention"] == ["efficient", "flash", "math"]
     # a pageable non_blocking copy is synchronous on a GPU: every host-to-device copy that asks to overlap must
     # come from pinned memory
     assert got["counts"].get("h2d_pageable_non_blocking", 0) == 0
@@ -112,9 +114,10 @@ def test_the_evaluation_runs_on_fake_cuda(worker, tmp_path):
     eval_file.write_text("".join(json.dumps({"prompt": p, "tag": t}) + "\n" for p, t in
                                  [("a red cube", "colour"), ("two cats", "count"), ("a blue ball", "colour")]))
     flags = [*CONFIGS["tiny"], "--eval-prompts", str(eval_file), "--eval-every", "1", "--eval-images", "2",
-             "--eval-rewards", "jpeg"]
+             "--eval-rewards", "jpeg", "--attention", "efficient,math"]   # and a choice of attention kernels
     got = call(worker, "evaluation", flags=flags, output_dir=str(tmp_path / "out"))
     assert got["mixes"] == []
+    assert got["attention"] == ["efficient", "math"]
     assert got["eval"]["iteration"] == 0 and set(got["eval"]) >= {"eval_jpeg", "eval_jpeg/colour", "eval_jpeg/count"}
     assert got["eval_images"] == 6
 
@@ -224,8 +227,17 @@ def one_iteration(flags, output_dir):
                 "optimizer_devices": _device_types(states), "fused": run.optimizer.defaults.get("fused"),
                 "stats_device": A.device.type, "images_device": images.device.type, "metrics": m,
                 "logged_iterations": logged, "scaler": run.scaler is not None, "old_pass_rows": sum(old_rows),
-                "peak_after_reset": peak_after_reset, "resident": resident,
+                "peak_after_reset": peak_after_reset, "resident": resident, "attention": _attention_kernels(),
                 "sample_grid": os.path.isfile(os.path.join(output_dir, "samples", "iter-00001.png"))}
+
+
+def _attention_kernels():
+    """The SDPA kernels torch may pick now (the process-wide flags --attention sets)."""
+    import torch
+
+    b = torch.backends.cuda
+    return sorted(name for name, on in (("flash", b.flash_sdp_enabled()), ("efficient", b.mem_efficient_sdp_enabled()),
+                                        ("cudnn", b.cudnn_sdp_enabled()), ("math", b.math_sdp_enabled())) if on)
 
 
 def sharded_iteration(flags, output_dir, world):
@@ -279,7 +291,7 @@ def evaluation(flags, output_dir):
     with FakeCuda(strict=True) as gpu:
         run, _ = _start(flags, output_dir)
         m, images, prompts, r = vgrpo.evaluate(run, 0)
-        return {"mixes": gpu.mixes, "eval": m, "eval_images": len(images)}
+        return {"mixes": gpu.mixes, "eval": m, "eval_images": len(images), "attention": _attention_kernels()}
 
 
 def checkpoint(flags, output_dir):

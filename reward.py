@@ -156,6 +156,7 @@ def clip_similarity_reward(model, processor, device, use_logit_scale, divide_by=
                                                 attention_mask=text["attention_mask"].to(device)))
         cos = torch.nn.functional.cosine_similarity(img.float(), txt.float(), dim=-1)
         scale = logit_scale if use_logit_scale else 1.0
+        fn.last_image_features = img.float()   # kept for the evaluation's diversity in this embedding
         return (scale * cos / divide_by).float().cpu()
 
     return fn

@@ -94,6 +94,77 @@ def test_group_size_one_is_refused():
 # --------------------------------------------------------------------------- stratified sigmas and pairs
 
 
+@pytest.mark.parametrize("floor", [0.0, 0.1, 1.0])
+def test_advantages_with_a_std_floor_follow_the_formula(floor):
+    """--adv-std-floor F: A = (r - mean) / (max(std, F) + 1e-4). A saturated group (rewards near 1, std 0.006) gets
+    unit-scale advantages from its noise without a floor, small ones with it; F = 1 on rewards in [0, 1] leaves
+    r - mean (Dr. GRPO's advantage, up to the 1e-4)."""
+    r = np.array([0.99, 0.995, 1.0, 0.985, 0.1, 0.9, 0.5, 0.3])
+    want = np.concatenate([(g - g.mean()) / (max(g.std(), floor) + 1e-4) for g in (r[:4], r[4:])])
+    got = vgrpo.group_advantages(torch.tensor(r, dtype=torch.float32), 4, std_floor=floor)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+    saturated = np.abs(got[:4].numpy()).max()
+    assert saturated > 1 if floor == 0 else saturated < 0.1
+    per_reward = vgrpo.per_reward_advantages({"a": torch.tensor(r)}, {"a": 1.0}, 4, std_floor=floor)
+    np.testing.assert_allclose(per_reward.numpy(), want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(vgrpo.group_advantages(torch.full((4,), 0.7), 4, std_floor=floor), torch.zeros(4))
+
+
+def test_flat_groups_are_those_whose_std_is_within_a_thousandth_of_their_mean():
+    groups = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.999, 1.0, 1.0, 1.0], [0.9, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0],
+                           [-0.2, -0.2001, -0.2, -0.2], [0.0, 0.001, 0.0, 0.0]])
+    std, mean = groups.std(1, unbiased=False), groups.mean(1)
+    assert [bool(x) for x in std <= 1e-3 * mean.abs()] == [True, True, False, True, True, False]   # by hand
+    assert vgrpo.flat_group_share(groups) == pytest.approx(4 / 6)
+
+
+def test_pixel_and_embedding_diversity_follow_their_formulas():
+    """The evaluation's diversity of one prompt's images: the mean over pairs of the RMS pixel difference, and of
+    1 - cosine of their embeddings; identical images (or embeddings, at any scale) give 0."""
+    g = torch.Generator().manual_seed(0)
+    assert vgrpo.pixel_diversity(torch.rand(1, 3, 8, 8, generator=g).expand(4, 3, 8, 8)) == 0.0
+    x = torch.rand(3, 3, 8, 8, generator=g)
+    rms = [((x[i] - x[j]) ** 2).mean().sqrt().item() for i, j in ((0, 1), (0, 2), (1, 2))]
+    assert vgrpo.pixel_diversity(x) == pytest.approx(sum(rms) / 3, rel=1e-5)
+    assert vgrpo.pixel_diversity(x) > 0.3                              # independent uniform noise: about 0.41
+    same = torch.randn(1, 16, generator=g) * torch.arange(1.0, 6.0)[:, None]
+    assert abs(vgrpo.embedding_diversity(same)) < 1e-6
+    f = torch.randn(4, 16, generator=g)
+    cos = [torch.nn.functional.cosine_similarity(f[i], f[j], dim=0).item() for i in range(4) for j in range(i + 1, 4)]
+    assert vgrpo.embedding_diversity(f) == pytest.approx(1 - sum(cos) / len(cos), rel=1e-5)
+    assert vgrpo.embedding_diversity(torch.eye(4)) == pytest.approx(1.0)
+
+
+def test_the_evaluation_tally_groups_each_prompts_images_across_chunks():
+    """EvalTally as evaluate feeds it: 3 prompts x 3 images in chunks of 4, so the second prompt's images arrive in
+    two chunks; tags "a", none, "a". Every metric against its formula over the prompts' images."""
+    g = torch.Generator().manual_seed(1)
+    images = torch.rand(9, 3, 4, 4, generator=g)
+    images[:3] = images[0]                                            # prompt 0: three copies of one picture
+    features, reward = torch.randn(9, 8, generator=g), torch.rand(9, generator=g)
+    local = [(i, k) for i in range(3) for k in range(3)]
+    tally = vgrpo.EvalTally(["r", "s"], ["a", None, "a"], 3)
+    for start in range(0, 9, 4):
+        rows = slice(start, start + 4)
+        tally.add(local[rows], images[rows], {"r": reward[rows], "s": 2 * reward[rows]}, 3 * reward[rows],
+                  features[rows])
+    m = tally.metrics(1, "cpu", objective=True)
+    pixel = [vgrpo.pixel_diversity(images[3 * i:3 * i + 3]) for i in range(3)]
+    embedded = [vgrpo.embedding_diversity(features[3 * i:3 * i + 3]) for i in range(3)]
+    assert pixel[0] == 0.0 and min(pixel[1:]) > 0
+    assert m["eval_r"] == pytest.approx(reward.mean().item()) and m["eval_s"] == pytest.approx(2 * m["eval_r"])
+    assert m["eval_reward"] == pytest.approx(3 * m["eval_r"])
+    assert m["eval_r/a"] == pytest.approx(torch.cat([reward[:3], reward[6:]]).mean().item())
+    assert m["eval_r/mean_of_tags"] == m["eval_r/a"] and "eval_s/a" not in m
+    assert m["eval_diversity"] == pytest.approx(sum(pixel) / 3)
+    assert m["eval_diversity/a"] == pytest.approx((pixel[0] + pixel[2]) / 2)
+    assert m["eval_diversity_clip"] == pytest.approx(sum(embedded) / 3)
+    assert "eval_reward" not in tally.metrics(1, "cpu")
+    one_each = vgrpo.EvalTally(["r"], [None] * 3, 1)                  # one image per prompt: no pairs, no diversity
+    one_each.add([(0, 0), (1, 0), (2, 0)], images[:3], {"r": reward[:3]}, reward[:3], None)
+    assert not any(k.startswith("eval_diversity") for k in one_each.metrics(1, "cpu"))
+
+
 @pytest.mark.parametrize("w2", [0.5, -0.5])   # a negative weight penalises a reward; |w| still sets its share
 def test_per_reward_advantages_normalise_each_reward_then_sum(w2):
     rng = np.random.default_rng(3)
@@ -435,6 +506,7 @@ def test_two_processes_train_exactly_like_one(tmp_path):
     assert [x["iteration"] for x in e1] == [x["iteration"] for x in e2] == [0, 2]
     for a, b in zip(e1, e2):                                          # the same images, summed over ranks
         assert a["eval_jpeg"] == pytest.approx(b["eval_jpeg"], rel=1e-12)
+        assert a["eval_diversity"] == pytest.approx(b["eval_diversity"], rel=1e-12) and a["eval_diversity"] > 0
     w1, w2, w0 = lora(tmp_path / "one", 2), lora(tmp_path / "two", 2), initial_lora()
     assert w1.keys() == w2.keys() == w0.keys()
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
@@ -545,6 +617,7 @@ def test_default_command_learns(tmp_path):
                                                             "seven", "eight", "nine")]
     assert np.mean(per_digit) == pytest.approx(after["eval_digit_correct"])   # 16 images per digit
     assert "held-out, iteration 0 -> 80: digit_correct 0.3125 -> " in p.stdout
+    assert 0.1 < after["eval_diversity"] < 0.5 and len([k for k in after if k.startswith("eval_diversity/")]) == 10
     assert (tmp_path / "samples" / "eval-00080.png").exists() and (tmp_path / "rewards.png").exists()
 
 

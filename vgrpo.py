@@ -117,6 +117,8 @@ class Args:
     beta: float = arg(0.0, "weight of the KL-to-sampling-policy term (0.3 in the paper's last SD3.5 stage)")
     adv_soft_clip: float = arg(None, "eta for A <- eta * tanh(A / eta); 0 turns it off (default: 3 for SD3, as the "
                                      "paper's on-policy SD3.5 runs; 0 otherwise)")
+    adv_std_floor: float = arg(0.0, "advantages divide by max(group std, this) + 1e-4 (0: the group std, as GRPO; 1 "
+                                    "with rewards in [0, 1]: no std normalisation, as Dr. GRPO)")
     inner_steps: int = arg(None, "optimizer steps per rollout batch; must divide the group size (1 SD3, digits "
                                  "and tiny, 4 FLUX)")
     micro_batch: int = arg(None, "samples per training forward pass, N_MC rows each (default: gcd(minibatch, 16 "
@@ -226,8 +228,9 @@ PRESETS = {
 #   x_sigma = (1 - sigma) * o + sigma * eps,  the network predicts v = eps - o,  timestep = 1000 * sigma.
 
 
-def group_advantages(rewards, group_size, eps=1e-4, soft_clip=None):
-    """GRPO advantages: A_i = (r_i - mean_group) / (std_group + eps), population std (docs/method.md, step 2).
+def group_advantages(rewards, group_size, eps=1e-4, soft_clip=None, std_floor=0.0):
+    """GRPO advantages: A_i = (r_i - mean_group) / (max(std_group, std_floor) + eps), population std (docs/method.md,
+    step 2); std_floor > 0 keeps a group of nearly equal rewards from scaling its noise up to unit advantages.
 
     rewards (P*G,) ordered group by group. A group whose rewards are all equal gets exactly 0.
     soft_clip=eta applies soft_clip_advantages.
@@ -235,17 +238,17 @@ def group_advantages(rewards, group_size, eps=1e-4, soft_clip=None):
     if group_size < 2:
         raise ValueError(f"group_size must be at least 2, got {group_size}")
     r = rewards.float().view(-1, group_size)                           # (P, G)
-    A = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)
+    A = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True).clamp_min(std_floor) + eps)
     A = A.masked_fill((r == r[:, :1]).all(1, keepdim=True), 0.0)       # mean of equal floats can be inexact
     return soft_clip_advantages(A.view(-1), soft_clip)
 
 
-def per_reward_advantages(parts, weights, group_size, eps=1e-4, soft_clip=None):
+def per_reward_advantages(parts, weights, group_size, eps=1e-4, soft_clip=None, std_floor=0.0):
     """Several rewards combined after normalisation (MixGRPO's choice): A = sum_k w_k A(r_k) / sum_k |w_k|,
     each reward's group advantage computed alone, so a reward with a large scale cannot drown the others.
     Dividing by the weights' sum keeps A on the scale of one advantage, whatever the weights (`jpeg:100`
     scales a reward, it should not scale the step). parts: {name: (P*G,)}; weights: {name: w}."""
-    A = sum(w * group_advantages(parts[name], group_size, eps) for name, w in weights.items())
+    A = sum(w * group_advantages(parts[name], group_size, eps, std_floor=std_floor) for name, w in weights.items())
     return soft_clip_advantages(A / sum(abs(w) for w in weights.values()), soft_clip)
 
 
@@ -478,8 +481,9 @@ def iteration_advantages(run, r):
     if args.reward_advantage == "per-reward" and len(fn.parts) > 1:
         parts = {name: value.to(run.device) for name, value in fn.last_parts.items()}
         weights = {name: w for name, w, _ in fn.parts}
-        return per_reward_advantages(parts, weights, args.group_size, soft_clip=args.adv_soft_clip)
-    return group_advantages(r, args.group_size, soft_clip=args.adv_soft_clip)
+        return per_reward_advantages(parts, weights, args.group_size, soft_clip=args.adv_soft_clip,
+                                     std_floor=args.adv_std_floor)
+    return group_advantages(r, args.group_size, soft_clip=args.adv_soft_clip, std_floor=args.adv_std_floor)
 
 
 @torch.no_grad()
@@ -840,8 +844,9 @@ def check_sizes(args, world_size):
     if args.micro_batch < 1 or minibatch % args.micro_batch:
         raise UsageError(f"--micro-batch {args.micro_batch} must divide the per-process minibatch of "
                          f"{minibatch} samples (P/world * G / inner-steps)")
-    if args.clip_eps <= 0 or args.beta < 0 or args.adv_soft_clip < 0 or args.lr <= 0:
-        raise UsageError("--clip-eps and --lr must be positive; --beta and --adv-soft-clip non-negative")
+    if args.clip_eps <= 0 or args.beta < 0 or args.adv_soft_clip < 0 or args.adv_std_floor < 0 or args.lr <= 0:
+        raise UsageError("--clip-eps and --lr must be positive; --beta, --adv-soft-clip and --adv-std-floor "
+                         "non-negative")
     if args.resolution < 16 or args.resolution % 16:
         raise UsageError(f"--resolution must be a positive multiple of 16, got {args.resolution}")
     if args.eval_every < 0 or args.eval_images < 1 or (args.eval_every and not args.eval_prompts):
@@ -1744,6 +1749,7 @@ def iteration_metrics(run, it, stats, r, A):
     m = {"iteration": it + 1, "reward_mean": r_all.mean().item(), "reward_std": r_all.std(unbiased=False).item(),
          "reward_group_std": groups.std(1, unbiased=False).mean().item(),
          "zero_adv_groups": (groups == groups[:, :1]).all(1).float().mean().item(),
+         "flat_groups": flat_group_share(groups),
          "adv_mean": A_all.mean().item(), "adv_std": A_all.std(unbiased=False).item(),
          "adv_abs_max": A_all.abs().max().item()}
     m.update(reduce_stats(stats, run.world, run.device))
@@ -1755,6 +1761,12 @@ def iteration_metrics(run, it, stats, r, A):
         torch.cuda.reset_peak_memory_stats(run.device)
     m["time_total"] = sum(m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update"))
     return m
+
+
+def flat_group_share(groups):
+    """The share of groups (P, G) whose rewards are (nearly) equal, their std at most 0.1% of their mean's size: a
+    saturated reward, whose advantages are noise scaled up to unit size (or exactly 0 where all are equal)."""
+    return (groups.std(1, unbiased=False) <= 1e-3 * groups.mean(1).abs()).float().mean().item()
 
 
 def score(reward_fn, images, prompts, metadata, what=""):
@@ -1913,7 +1925,7 @@ def log_evaluation(run, done):
         with open(os.path.join(run.args.output_dir, "eval.jsonl"), "a") as f:
             f.write(json.dumps(m) + "\n")
         overall = {k: v for k, v in m.items() if k != "iteration" and "/" not in k}
-        by_tag = {k.partition("/")[2]: v for k, v in m.items() if "/" in k}
+        by_tag = {k.partition("/")[2]: v for k, v in m.items() if "/" in k and not k.startswith("eval_diversity")}
         print(f"eval {done:5d}/{run.args.iterations} | " + " | ".join(f"{k.removeprefix('eval_')} {v:+.4f}"
               for k, v in overall.items()) + (f" | by tag: {' '.join(f'{t} {v:.2f}' for t, v in by_tag.items())}"
                                                 if by_tag else ""), flush=True)
@@ -1930,51 +1942,113 @@ def evaluate(run, done):
     prompt and image, never by iteration or --seed, so runs are comparable), the ODE sampler, rewards that may differ
     from the training reward (so reward hacking shows: training reward up, held-out rewards down). Ranks take every
     world-th prompt; sums are reduced. The first reward is also averaged per value of the prompts' "tag" metadata
-    (eval_NAME/TAG: per digit, per GenEval task), where a collapse onto a few of them shows.
+    (eval_NAME/TAG: per digit, per GenEval task), where a collapse onto a few of them shows; so is the diversity of
+    each prompt's images (eval_diversity, in pixels, and in a CLIP reward's embedding where one is evaluated), which
+    falls when a prompt's images turn into one picture.
     -> (metrics, images, prompts, first reward) of this rank's first 10 prompts, for the picture."""
     args, fn = run.args, run.eval_reward_fn
     local = [(i, k) for i in range(run.rank, len(run.eval_prompts), run.world) for k in range(args.eval_images)]
     names = [name for name, _, _ in fn.parts]
-    tag_of = [str(md["tag"]) if md.get("tag") is not None else None for md in run.eval_metadata]
-    tags = list(dict.fromkeys(t for t in tag_of if t is not None))
-    # each reward, the weighted total, then the first reward's sum and count per tag, and the count of images
-    sums = torch.zeros(len(names) + 1 + 2 * len(tags) + 1, dtype=torch.float64)
+    tally = EvalTally(names, [md.get("tag") for md in run.eval_metadata], args.eval_images)
     pictured = []                                                      # (images, prompts, rewards) for the grid
     for start in range(0, len(local), args.sample_batch):
         chunk = local[start:start + args.sample_batch]
         prompts = [run.eval_prompts[i] for i, _ in chunk]
         _, _, images = generate(run, prompts, [("eval", i, k) for i, k in chunk])
         total = score(fn, images, prompts, [run.eval_metadata[i] for i, _ in chunk], what="evaluation: ")
-        first = fn.last_parts[names[0]].double()
-        by_tag = torch.zeros(2, len(tags), dtype=torch.float64)
-        for value, (i, _) in zip(first.tolist(), chunk):
-            if tag_of[i] is not None:
-                by_tag[:, tags.index(tag_of[i])] += torch.tensor([value, 1.0], dtype=torch.float64)
-        sums += torch.cat([torch.stack([fn.last_parts[n].double().sum() for n in names]), total.double().sum()[None],
-                           by_tag.flatten(), torch.tensor([float(len(chunk))], dtype=torch.float64)])
+        tally.add(chunk, images, fn.last_parts, total, image_features(fn))
         if sum(len(p) for _, p, _ in pictured) < 10 * args.eval_images:
-            pictured.append((images.cpu(), prompts, first.float()))
+            pictured.append((images.cpu(), prompts, fn.last_parts[names[0]].float()))
     if args.fsdp:  # FSDP gathers weights in every forward: each rank runs as many passes as the busiest one
         family, busiest = run.family, math.ceil(len(run.eval_prompts) / run.world) * args.eval_images
         for _ in range(math.ceil(len(local) / args.sample_batch), math.ceil(busiest / args.sample_batch)):
             rollout(family, family.transformer, family.encode(run.eval_prompts[:1]),
                     torch.zeros(1, *family.latent_shape, device=run.device), run.sigmas, args, run.negative)
-    if run.world > 1:
-        sums = sums.to(run.device)
-        dist.all_reduce(sums)
-    means = (sums[:len(names) + 1] / sums[-1].clamp_min(1)).tolist()
-    m = {"iteration": done, **{f"eval_{rewards_lib.metric_name(n)}": v for n, v in zip(names, means)}}
-    if len(names) > 1 and (args.eval_rewards or args.reward) == args.reward:  # the training objective, held out
-        m["eval_reward"] = means[-1]
-    tag_sums, tag_counts = sums[len(names) + 1:-1].view(2, len(tags)).tolist() if tags else ([], [])
-    first = rewards_lib.metric_name(names[0])
-    m.update({f"eval_{first}/{t}": total / count for t, total, count in zip(tags, tag_sums, tag_counts)})
-    if tags:  # GenEval's overall score: the mean over its tasks, whatever their sizes
-        m[f"eval_{first}/mean_of_tags"] = sum(m[f"eval_{first}/{t}"] for t in tags) / len(tags)
+    objective = len(names) > 1 and (args.eval_rewards or args.reward) == args.reward  # the training reward, held out
+    m = {"iteration": done, **tally.metrics(run.world, run.device, objective)}
     if not pictured:
         return m, None, [], None
     images, prompts, rewards = zip(*pictured)
     return m, torch.cat(images), sum(prompts, []), torch.cat(rewards)
+
+
+def image_features(reward_fn):
+    """The image embeddings a CLIP-family part of the reward computed in its last call (None without one)."""
+    return next((f.last_image_features for _, _, f in reward_fn.parts if hasattr(f, "last_image_features")), None)
+
+
+class EvalTally:
+    """The evaluation's sums, made on each rank and reduced once: every reward and the weighted total per image,
+    the first reward per tag, and per prompt the diversity of its images (pixel_diversity, and embedding_diversity
+    of the CLIP features when the reward has them), overall and per tag."""
+
+    def __init__(self, names, tag_of, images_per_prompt):
+        self.names, self.images_per_prompt = names, images_per_prompt
+        self.tag_of = [str(t) if t is not None else None for t in tag_of]
+        self.tags = list(dict.fromkeys(t for t in self.tag_of if t is not None))
+        self.rewards = torch.zeros(len(names) + 2, dtype=torch.float64)  # each reward, the total, the images
+        # rows: first reward's sum, its images, pixel diversity's sum, embedding diversity's sum, prompts; columns:
+        # the tags, then every prompt
+        self.by_tag = torch.zeros(5, len(self.tags) + 1, dtype=torch.float64)
+        self.pending, self.embedded = {}, False
+
+    def add(self, chunk, images, parts, total, features):
+        first = parts[self.names[0]].double()
+        self.rewards += torch.tensor([*(parts[n].double().sum().item() for n in self.names),
+                                      total.double().sum().item(), len(chunk)], dtype=torch.float64)
+        for j, (i, _) in enumerate(chunk):
+            columns = [self.tags.index(self.tag_of[i])] if self.tag_of[i] is not None else []
+            self.by_tag[:2, columns] += torch.tensor([[first[j].item()], [1.0]], dtype=torch.float64)
+            mine = self.pending.setdefault(i, [])
+            mine.append((images[j], None if features is None else features[j]))
+            if len(mine) == self.images_per_prompt and len(mine) > 1:  # the prompt's images are all here
+                pixels, embedded = torch.stack([x for x, _ in mine]), [e for _, e in mine]
+                d = embedding_diversity(torch.stack(embedded)) if embedded[0] is not None else 0.0
+                self.embedded |= embedded[0] is not None
+                self.by_tag[2:, columns + [-1]] += torch.tensor([[pixel_diversity(pixels)], [d], [1.0]],
+                                                                 dtype=torch.float64)
+                del self.pending[i]
+
+    def metrics(self, world, device, objective=False):
+        """-> eval_NAME per reward, eval_reward (the weighted total, when `objective`), eval_FIRST/TAG and its
+        mean_of_tags, eval_diversity (and /TAG) and eval_diversity_clip."""
+        sums = torch.cat([self.rewards, self.by_tag.flatten(), torch.tensor([float(self.embedded)])])
+        if world > 1:
+            sums = sums.to(device)
+            dist.all_reduce(sums)
+        sums = sums.cpu()
+        rewards, by_tag = sums[:len(self.rewards)], sums[len(self.rewards):-1].view(5, -1)
+        means = (rewards[:-1] / rewards[-1].clamp_min(1)).tolist()
+        first = rewards_lib.metric_name(self.names[0])
+        m = {f"eval_{rewards_lib.metric_name(n)}": v for n, v in zip(self.names, means)}
+        if objective:
+            m["eval_reward"] = means[-1]
+        per_tag = {t: by_tag[:, k].tolist() for k, t in enumerate(self.tags)}
+        m.update({f"eval_{first}/{t}": v[0] / v[1] for t, v in per_tag.items()})
+        if self.tags:  # GenEval's overall score: the mean over its tasks, whatever their sizes
+            m[f"eval_{first}/mean_of_tags"] = sum(m[f"eval_{first}/{t}"] for t in self.tags) / len(self.tags)
+        if by_tag[4, -1] > 0:  # prompts with two images or more
+            m["eval_diversity"] = (by_tag[2, -1] / by_tag[4, -1]).item()
+            m.update({f"eval_diversity/{t}": v[2] / v[4] for t, v in per_tag.items() if v[4]})
+            if sums[-1] > 0:
+                m["eval_diversity_clip"] = (by_tag[3, -1] / by_tag[4, -1]).item()
+        return m
+
+
+def pixel_diversity(images):
+    """How different n images of one prompt are: the mean over their pairs of the RMS pixel difference (images in
+    [0, 1]: 0 when all are the same picture, about 0.4 for independent uniform noise)."""
+    flat = images.float().flatten(1)
+    n = len(flat)
+    distances = torch.cdist(flat, flat, compute_mode="donot_use_mm_for_euclid_dist")  # exact zeros for equal images
+    return (distances.sum() / (n * (n - 1)) / flat.shape[1] ** 0.5).item()
+
+
+def embedding_diversity(features):
+    """The mean over pairs of 1 - cosine similarity of n image embeddings: 0 when all embed alike."""
+    f = torch.nn.functional.normalize(features.float(), dim=-1)
+    n = len(f)
+    return ((n * n - (f @ f.T).sum()) / (n * (n - 1))).item()
 
 
 def summarize(output_dir, history):

@@ -350,3 +350,41 @@ def test_reuse_keeps_only_a_seed_run_with_the_same_settings_and_cap(tmp_path):
     assert not bench_run.same_run(str(path), chosen, 48)                 # another cap
     other = {**chosen, "MixGRPO": {**chosen["MixGRPO"], "window": 2}}
     assert not bench_run.same_run(str(path), other, 96)                  # another setting
+
+
+def test_largest_fall_is_the_deepest_drop_below_the_best_so_far():
+    import stability
+
+    assert stability.largest_fall([0.3, 0.6, 0.5, 0.7, 0.55, 0.69]) == pytest.approx(0.15)
+    assert stability.largest_fall([0.3, 0.4, 0.4, 0.5]) == 0.0
+    assert stability.largest_fall([0.8, 0.2, 0.9]) == pytest.approx(0.6)
+
+
+@pytest.mark.slow
+def test_stability_quick_mode_runs_the_demo_per_candidate_and_reports_from_its_evaluations(tmp_path):
+    """bench/stability.py --quick: each candidate is the demo's command with its flags, in a process of its own
+    (its config.json says so); the report's numbers follow from the runs' eval.jsonl; a finished run is not rerun."""
+    import stability
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    command = [sys.executable, os.path.join(ROOT, "bench", "stability.py"), "--quick", "--work", str(work),
+               "--out", str(out)]
+    p = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    configs = {name: json.loads((work / f"{name}-seed0" / "config.json").read_text()) for name in ("default", "no-std")}
+    assert configs["default"]["adv_std_floor"] == 0.0 and configs["no-std"]["adv_std_floor"] == 1.0
+    assert configs["default"]["iterations"] == 4 and configs["default"]["model"] == "digits"
+    data = json.loads((out / "stability.json").read_text())
+    for name in ("default", "no-std"):
+        rows = [json.loads(line) for line in (out / "stability" / f"{name}-seed0.eval.jsonl").read_text().splitlines()]
+        assert [r["iteration"] for r in rows] == [0, 2, 4] and all("eval_diversity" in r for r in rows)
+        cnn = [r["eval_digit_correct"] for r in rows]
+        summary = data[f"{name}-seed0"]["summary"]
+        assert summary["CNN"]["peak"] == max(cnn) and summary["CNN"]["final"] == cnn[-1]
+        assert summary["CNN"]["fall"] == pytest.approx(stability.largest_fall(cnn))
+        assert summary["diversity"]["start"] == rows[0]["eval_diversity"]
+    md = (out / "stability.md").read_text()
+    assert "| default | `(the demo)` | 0 |" in md and "| no-std | `--adv-std-floor 1` | 0 |" in md
+    assert (out / "stability.png").stat().st_size > 10_000
+    again = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "seed 0:" not in again.stdout    # both runs were complete: nothing reran

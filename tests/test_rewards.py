@@ -90,6 +90,9 @@ def test_clip_rewards_match_formula(tiny_clip, use_logit_scale, divide_by):
     want = logits / (1 if use_logit_scale else model.logit_scale.exp()) / divide_by
     assert got.shape == (4,) and got.dtype == torch.float32
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():   # the image embeddings are kept for the evaluation's diversity
+        torch.testing.assert_close(fn.last_image_features, reward._features(
+            model.get_image_features(pixel_values=inputs["pixel_values"])), rtol=1e-4, atol=1e-5)
 
 
 def test_reward_spec_errors():

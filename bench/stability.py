@@ -1,0 +1,204 @@
+"""Long runs of the CPU demo: does the held-out accuracy hold past its peak, and which setting keeps it?
+
+    python bench/stability.py                          # every candidate, 3 seeds, 240 iterations (about 7 min a run)
+    python bench/stability.py --configs default,lr-3e-4 --seeds 0
+    python bench/stability.py --report                 # tables and plot from the runs already made
+    python bench/stability.py --quick --work /tmp/s    # 4 iterations, two candidates, one seed (test_bench.py)
+
+Each run is the demo's command as a user launches it, `python vgrpo.py --iterations 240 --eval-every 20 --seed S`
+plus the candidate's flags, in its own process, one at a time (two at once on 2 cores run 4x slower). A run whose
+eval.jsonl is complete is not run again. Its eval.jsonl is copied to results/stability/NAME-seedS.eval.jsonl, and
+results/stability.md (and .json, and stability.png) gets, per candidate and seed, by both judges (the CNN,
+digit_correct; the independent k-NN, digit_knn): the peak, the final accuracy, the largest fall below the best
+reached before (the issue's criterion: at most 0.05), the accuracy at iteration 80 (the demo's length), and the
+held-out diversity at the start and the end (eval_diversity: the mean pairwise RMS pixel distance of a prompt's 8
+images; it falls when a prompt's images turn into one picture).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+
+# the candidates: flags added to the demo's defaults (vgrpo.RECIPES["digits"]: lr 1e-3, 4 prompts x 8, no KL, no
+# soft clip, advantages divided by the group std + 1e-4)
+CONFIGS = {
+    "default": [],
+    "lr-3e-4": ["--lr", "3e-4"],
+    "no-std": ["--adv-std-floor", "1"],              # A = r - mean (rewards in [0, 1]): Dr. GRPO's advantage
+    "std-floor-0.1": ["--adv-std-floor", "0.1"],
+    "kl-0.3": ["--beta", "0.3"],                     # the paper's KL weight in its last SD3.5-M stage
+    "soft-clip-1": ["--adv-soft-clip", "1"],
+    "group-16": ["--group-size", "16"],
+}
+JUDGES = {"CNN": "eval_digit_correct", "k-NN": "eval_digit_knn"}
+
+
+def run_one(name, seed, work, iterations, eval_every, threads):
+    """One run, or nothing if its evaluation is already complete -> its eval.jsonl rows."""
+    out = os.path.join(work, f"{name}-seed{seed}")
+    eval_file = os.path.join(out, "eval.jsonl")
+    if os.path.isfile(eval_file) and rows_of(eval_file) and rows_of(eval_file)[-1]["iteration"] == iterations:
+        return rows_of(eval_file)
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, os.path.join(ROOT, "vgrpo.py"), "--iterations", str(iterations), "--eval-every",
+               str(eval_every), "--seed", str(seed), "--save-every", str(iterations), "--output-dir", out,
+               *CONFIGS[name]]
+    print(f"{name} seed {seed}: {' '.join(command[1:])}", flush=True)
+    start = time.time()
+    with open(os.path.join(work, f"{name}-seed{seed}.log"), "w") as log:
+        subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1"))
+    print(f"  done in {time.time() - start:.0f} s", flush=True)
+    return rows_of(eval_file)
+
+
+def rows_of(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def largest_fall(values):
+    """The largest drop below the best value reached before (0 for a curve that never falls)."""
+    best, fall = -float("inf"), 0.0
+    for v in values:
+        best = max(best, v)
+        fall = max(fall, best - v)
+    return fall
+
+
+def summarize_run(rows):
+    """Peak, final, largest fall, value at 80 per judge; diversity at the start and end; digits that end at 0."""
+    out = {}
+    for judge, key in JUDGES.items():
+        values = [r[key] for r in rows]
+        at_80 = next((r[key] for r in rows if r["iteration"] == 80), None)
+        out[judge] = dict(start=values[0], peak=max(values), peak_at=rows[values.index(max(values))]["iteration"],
+                          final=values[-1], fall=largest_fall(values), at_80=at_80)
+    out["diversity"] = dict(start=rows[0].get("eval_diversity"), final=rows[-1].get("eval_diversity"),
+                            lowest=min((r["eval_diversity"] for r in rows if "eval_diversity" in r), default=None))
+    last = rows[-1]
+    out["digits_at_zero"] = sorted(k.partition("/")[2] for k, v in last.items()
+                                   if k.startswith("eval_digit_correct/") and not k.endswith("mean_of_tags") and v == 0)
+    return out
+
+
+def mean_sd(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return ""
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+
+def report(runs, iterations, eval_every, out_dir):
+    """runs: {(name, seed): eval rows} -> the markdown, and the plot beside it."""
+    summaries = {key: summarize_run(rows) for key, rows in runs.items()}
+    names = [n for n in CONFIGS if any(k[0] == n for k in runs)]
+    lines = ["# Long runs of the CPU demo (`bench/stability.py`)", "",
+             f"`python vgrpo.py --iterations {iterations} --eval-every {eval_every} --seed S` plus each candidate's "
+             "flags, "
+             "held-out accuracy of 20 prompts x 8 images by the two judges. fall: the largest drop below the best "
+             "reached before (the target: at most 0.05 on every seed). Mean ± std over the seeds run.", "",
+             "| candidate | flags | seeds | CNN at 80 | CNN peak | CNN final | CNN fall (worst seed) | k-NN peak | "
+             "k-NN final | k-NN fall (worst seed) | diversity start -> end |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name in names:
+        s = [summaries[k] for k in sorted(runs) if k[0] == name]
+        seeds = [k[1] for k in sorted(runs) if k[0] == name]
+        cnn, knn = [x["CNN"] for x in s], [x["k-NN"] for x in s]
+        lines.append(
+            f"| {name} | `{' '.join(CONFIGS[name]) or '(the demo)'}` | {','.join(map(str, seeds))} | "
+            f"{mean_sd([c['at_80'] for c in cnn])} | {mean_sd([c['peak'] for c in cnn])} | "
+            f"{mean_sd([c['final'] for c in cnn])} | {max(c['fall'] for c in cnn):.3f} | "
+            f"{mean_sd([k['peak'] for k in knn])} | {mean_sd([k['final'] for k in knn])} | "
+            f"{max(k['fall'] for k in knn):.3f} | {mean_sd([x['diversity']['start'] for x in s])} -> "
+            f"{mean_sd([x['diversity']['final'] for x in s])} |")
+    lines += ["", "Per run (CNN / k-NN):", "", "| candidate | seed | peak (at) | final | fall | digits at 0 in the end |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for (name, seed) in sorted(runs, key=lambda k: (list(CONFIGS).index(k[0]), k[1])):
+        x = summaries[name, seed]
+        c, k = x["CNN"], x["k-NN"]
+        lines.append(f"| {name} | {seed} | {c['peak']:.3f} ({c['peak_at']}) / {k['peak']:.3f} ({k['peak_at']}) | "
+                     f"{c['final']:.3f} / {k['final']:.3f} | {c['fall']:.3f} / {k['fall']:.3f} | "
+                     f"{', '.join(x['digits_at_zero']) or '-'} |")
+    path = os.path.join(out_dir, "stability.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out_dir, "stability.json"), "w") as f:
+        json.dump({f"{n}-seed{s}": dict(summary=summaries[n, s], rows=runs[n, s]) for n, s in runs}, f, indent=1)
+    plot(runs, names, os.path.join(out_dir, "stability.png"))
+    return path
+
+
+def plot(runs, names, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = [("CNN", "eval_digit_correct", "held-out accuracy (CNN)"), ("k-NN", "eval_digit_knn",
+              "held-out accuracy (k-NN)"), ("diversity", "eval_diversity", "held-out diversity (pixels)")]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for ax, (_, key, title) in zip(axes, panels):
+        for j, name in enumerate(names):
+            for seed in sorted(s for n, s in runs if n == name):
+                rows = [r for r in runs[name, seed] if key in r]
+                ax.plot([r["iteration"] for r in rows], [r[key] for r in rows], color=f"C{j % 10}", lw=1.2,
+                        alpha=0.8, label=name if seed == min(s for n, s in runs if n == name) else None)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--iterations", type=int, default=240)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--work", default="runs/stability", help="where the runs' folders go")
+    p.add_argument("--out", default=RESULTS, help="where stability.md / .json / .png and the eval.jsonl copies go")
+    p.add_argument("--report", action="store_true", help="run nothing: report the runs found in --work")
+    p.add_argument("--quick", action="store_true", help="4 iterations, evaluated every 2: the script's own test")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.iterations, a.eval_every, a.configs, a.seeds = 4, 2, "default,no-std", "0"
+    names, seeds = a.configs.split(","), [int(s) for s in a.seeds.split(",")]
+    if not set(names) <= set(CONFIGS):
+        p.error(f"--configs: choose from {', '.join(CONFIGS)}")
+    os.makedirs(a.work, exist_ok=True)
+    copies = os.path.join(a.out, "stability")
+    os.makedirs(copies, exist_ok=True)
+    runs = {}
+    for name in names:
+        for seed in seeds:
+            eval_file = os.path.join(a.work, f"{name}-seed{seed}", "eval.jsonl")
+            if a.report:
+                if os.path.isfile(eval_file):
+                    runs[name, seed] = rows_of(eval_file)
+                continue
+            runs[name, seed] = run_one(name, seed, a.work, a.iterations, a.eval_every, a.threads)
+            shutil.copy(eval_file, os.path.join(copies, f"{name}-seed{seed}.eval.jsonl"))
+            report(runs, a.iterations, a.eval_every, a.out)   # after every run: an interrupted sweep keeps its tables
+    if not runs:
+        p.error(f"no runs in {a.work}")
+    print(f"wrote {report(runs, a.iterations, a.eval_every, a.out)}")
+
+
+if __name__ == "__main__":
+    main()

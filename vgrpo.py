@@ -991,7 +991,7 @@ def curriculum_stages(args):
     if not args.curriculum:
         return [("", 0, args.iterations, args)]
     files = dict(item.split("=", 1) for item in filter(None, args.stage_prompts.split(",")))
-    unset = {f.name: f.default for f in dataclasses.fields(Args) if f.name in STAGE_FLAGS}  # the recipe decides
+    unset = {k: v for k, v in default_flags().items() if k in STAGE_FLAGS}  # the recipe decides
     out, start = [], 0
     for number, stage in enumerate(load_curriculum(args.curriculum), 1):
         name, settings = stage_name(stage, number), stage_settings(stage)
@@ -1544,6 +1544,11 @@ def distributed():
 ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")  # torch's scaled_dot_product_attention backends
 
 
+def default_flags():
+    """Each flag's declared default, before any recipe fills in the None ones (for scripts that reuse them)."""
+    return {f.name: f.default for f in dataclasses.fields(Args)}
+
+
 def choose_attention_kernels(kernels):
     """--attention: which of torch's SDPA kernels may run, for the whole process. The flags are global, not a
     context around a forward pass, so they hold wherever attention runs: the rollout, the surrogates, the backward
@@ -1827,7 +1832,7 @@ def state_bytes(run):
 
 def log_line(m, total):
     return (f"it {m['iteration']:5d}/{total} | reward {m['reward_mean']:+.5f} ± {m['reward_std']:.5f} "
-            f"| ratio [{m['ratio_min']:.4f}, {m['ratio_max']:.4f}] clip {m['clip_frac']:.3f} | kl {m['kl']:.2e} "
+            f"flat {m['flat_groups']:.2f} | ratio [{m['ratio_min']:.4f}, {m['ratio_max']:.4f}] clip {m['clip_frac']:.3f} | kl {m['kl']:.2e} "
             f"| gnorm {m['grad_norm']:.3f} | {m['time_total']:.2f}s (roll {m['time_rollout']:.2f} "
             f"rew {m['time_reward']:.2f} old {m['time_old']:.2f} upd {m['time_update']:.2f})")
 

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The GPU check: one short run on a GPU machine, each part under a time limit, at most 8 minutes in all.
-#   bench/gpu.py           seconds, TFLOP/s and peak memory of rollout / old surrogate / update at the real shapes
+# The GPU check: one short run on a GPU machine, each part under a time limit, at most 9 minutes in all.
+#   bench/smoke.py         one whole iteration of every configuration at the real shapes (random weights): no crash,
+#                          the ratio at the first inner step, finite losses, peak memory; exits 1 naming a failure
 #   bench/memory.py --gpu  every phase's peak (allocated and reserved) beside results/memory.json's fake-CUDA bytes,
 #                          and the CUDA context's size
-# Results go to $OUT (or bench/results/): gpu.md, gpu.json, memory-gpu.md, memory-gpu.json, device.txt.
+#   bench/gpu.py           seconds, TFLOP/s and peak memory of rollout / old surrogate / update at the real shapes
+# Results go to $OUT (or bench/results/), 8 files: smoke-gpu.md, smoke-gpu.json, memory-gpu.md, memory-gpu.json,
+# gpu.md, gpu.json, device.txt, device.log (this script's whole output).
 #
 #   bash bench/device.sh
 #
 # A machine whose Python lacks diffusers or has an older transformers / peft than requirements.txt asks for: put
 # their wheels in .whl/ (ignored by git) and they are installed into /tmp/site first, e.g. on a machine with pip
 # access, for the remote Python 3.12:
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl diffusers==0.42.1 transformers==5.24.0 \
-#       peft==0.21.2 tokenizers huggingface_hub
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl diffusers==0.42.1 \
+#       transformers==5.24.0 peft==0.21.2 regex importlib_metadata
+# (about 21 MB; an H200 machine of this project had torch 2.11.0+cu130 and transformers 5.17, no diffusers.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results}
@@ -27,7 +32,11 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__,
       'transformers', transformers.__version__, 'peft', peft.__version__)"
 } 2>&1 | tee "$out/device.txt"
-timeout 240 python3 bench/gpu.py --time-limit 170 --out "$out/gpu.md"
-echo "bench/gpu.py: exit $?"
-timeout 240 python3 bench/memory.py --gpu --time-limit 170 --out "$out/memory-gpu.md"
-echo "bench/memory.py --gpu: exit $?"
+{
+    timeout 200 python3 bench/smoke.py --timeout 90 --out "$out/smoke-gpu.md"
+    echo "bench/smoke.py: exit $?"
+    timeout 170 python3 bench/memory.py --gpu --time-limit 110 --out "$out/memory-gpu.md"
+    echo "bench/memory.py --gpu: exit $?"
+    timeout 170 python3 bench/gpu.py --time-limit 110 --out "$out/gpu.md"
+    echo "bench/gpu.py: exit $?"
+} 2>&1 | tee "$out/device.log"

@@ -269,6 +269,8 @@ def main(argv=None):
                                                                   "measured is written")
     p.add_argument("--gpus", type=int, default=8, help="GPUs of the per-iteration split (the paper's runs: 8)")
     p.add_argument("--rollout-steps", type=int, default=4, help="ODE steps timed per rollout, scaled to the recipe's")
+    p.add_argument("--attention", default=vgrpo.default_flags()["attention"],
+                   help="the SDPA kernels allowed, as vgrpo's --attention")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per phase after a warm-up; the fastest counts")
     p.add_argument("--out", default=os.path.join(HERE, "results", "gpu.md"), help="markdown; the JSON goes beside it")
     a = p.parse_args(argv)
@@ -280,6 +282,7 @@ def main(argv=None):
     device = torch.device("cpu" if a.quick else "cuda")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True   # as vgrpo's --tf32 default
+        vgrpo.choose_attention_kernels(a.attention)   # as vgrpo's --attention (cuDNN's fails in the backward)
     deadline, gpus = time.perf_counter() + a.time_limit, 1 if a.quick else a.gpus
     vgrpo.quiet_libraries()
     results, skipped = [], []

@@ -467,6 +467,7 @@ def main_on_gpu(args, configs, start):
     import vgrpo
 
     vgrpo.quiet_libraries()
+    vgrpo.choose_attention_kernels(vgrpo.default_flags()["attention"])   # as a run on CUDA: no cuDNN attention
     def outside_torch():  # the CUDA context, the libraries' handles and workspaces (and any other process)
         free, total = torch.cuda.mem_get_info()
         return total - free - torch.cuda.memory_reserved(), total

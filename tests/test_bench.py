@@ -388,3 +388,43 @@ def test_stability_quick_mode_runs_the_demo_per_candidate_and_reports_from_its_e
     assert (out / "stability.png").stat().st_size > 10_000
     again = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "seed 0:" not in again.stdout    # both runs were complete: nothing reran
+
+
+@pytest.mark.slow
+def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_loudly(tmp_path):
+    """bench/smoke.py --quick: every configuration (the digits demo, SD3 LoRA and full fine-tuning, FLUX LoRA, FLUX
+    under --fsdp by torchrun) runs one whole iteration in its own process through vgrpo's own functions; the update's
+    first forward equals the old-surrogate pass bit for bit; a configuration that fails (here: out of time) is named
+    and the exit code is 1."""
+    out = tmp_path / "smoke.md"
+    command = [sys.executable, os.path.join(ROOT, "bench", "smoke.py"), "--quick", "--out", str(out), "--work",
+               str(tmp_path / "work")]
+    p = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    results = {r["name"]: r for r in data["results"]}
+    assert list(results) == ["digits", "sd3-lora", "sd3-full", "flux-lora", "flux-lora-fsdp"]
+    for name, r in results.items():
+        assert "error" not in r, (name, r)
+        assert r["first_step_ratio"] == 0.0 and r["skipped_steps"] == 0 and math.isfinite(r["policy_loss"])
+    assert results["flux-lora"]["inner_steps"] == 4 and results["sd3-lora"]["inner_steps"] == 1   # the recipes'
+    assert results["flux-lora"]["ratio_max"] > 1 or results["flux-lora"]["ratio_min"] < 1   # later steps moved
+    assert results["sd3-lora"]["images"] == 4 and results["flux-lora"]["images"] == 8
+    assert "**Not run on a GPU.**" in out.read_text() and out.read_text().count("| ok |") == 5
+    failing = subprocess.run([*command[:-4], "--only", "sd3-lora", "--timeout", "1", "--out", str(tmp_path / "f.md")],
+                             env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert failing.returncode == 1 and "FAILED: sd3-lora" in failing.stdout
+    assert "**failed**: no result within --timeout 1" in (tmp_path / "f.md").read_text()
+
+
+def test_the_device_script_fits_its_9_minutes_and_8_files():
+    """bench/device.sh: its parts' time limits add up to at most 9 minutes; what it writes to $OUT is at most 8
+    files (the device tool brings back 8)."""
+    import re
+
+    script = open(os.path.join(ROOT, "bench", "device.sh")).read()
+    assert sum(int(t) for t in re.findall(r"^\s*timeout (\d+) ", script, re.M)) <= 9 * 60
+    written = set(re.findall(r'"\$out/([\w.-]+)"', script))
+    written |= {os.path.splitext(f)[0] + ".json" for f in written if f.endswith(".md")}   # each .md's JSON beside it
+    assert len(written) <= 8, written
+    assert subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "device.sh")]).returncode == 0

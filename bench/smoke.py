@@ -1,0 +1,315 @@
+"""GPU smoke run: one whole V-GRPO iteration of every configuration at the real shapes, random weights, on one GPU.
+
+    python bench/smoke.py                          # every configuration, each in its own process -> results/smoke-gpu.md
+    python bench/smoke.py --only sd3-lora,flux-lora --timeout 120
+    python bench/smoke.py --quick --out /tmp/s.md  # the same code on the CPU at tiny shapes (test_bench.py)
+
+Each configuration is a recipe's command (`--model sd3 --reward pickscore`, `--model flux --reward hpsv2`, LoRA or
+--full-finetune, --fsdp under torchrun) with the batch cut to one prompt group so that it runs in seconds; the
+shapes of a row are the recipe's (resolution, text tokens, N_MC, ODE steps, inner steps). vgrpo builds the run as a
+user's is built (parse_args, validate, start_run: the family, LoRA or full fine-tuning, DDP or FSDP2, AdamW, the
+reward, the prompt store), except that no weights are read: vgrpo.load_pipeline is given a pipeline of random
+weights made on the GPU, the transformer and VAE at the published configurations (bench/memory.py's), text encoders
+at the real widths with two layers (so their outputs have the real shapes), and the reward is a random ViT-H/14
+CLIP read as PickScore or HPSv2.1. Then vgrpo.train_iteration runs once: rollout, VAE decode, reward, advantages,
+pairs, the old surrogate (FLUX's 4 inner steps) and the update. The digits demo runs as `python vgrpo.py` on CUDA.
+
+Checked for each, in its own process (a CUDA error poisons the process's context): the update's first forward and
+the old-surrogate pass give the same surrogate (the ratio at the first inner step, exp(s_update - s_old) on the first
+micro-batch, measured against an old pass over all minibatches made just before the update: exactly 1 when both
+see the same numerics), a finite loss and gradient norm, no skipped step, and the peak memory. Any failure exits
+non-zero naming the configuration, after the report of all of them is written.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+# the recipe's command of each configuration, then the cut: one prompt group (FLUX: 8 images, 2 per inner step)
+CONFIGS = {
+    "digits": ["--model", "digits"],
+    "sd3-lora": ["--model", "sd3", "--reward", "pickscore", "--prompts-per-step", "1", "--group-size", "4"],
+    "sd3-full": ["--model", "sd3", "--reward", "pickscore", "--prompts-per-step", "1", "--group-size", "4",
+                 "--full-finetune"],
+    "flux-lora": ["--model", "flux", "--reward", "hpsv2", "--prompts-per-step", "1", "--group-size", "8"],
+    "flux-lora-fsdp": ["--model", "flux", "--reward", "hpsv2", "--prompts-per-step", "1", "--group-size", "8",
+                       "--fsdp"],
+}
+# --quick: tiny transformers (bench/gpu.py's) in float32 at 64 px with 4 ODE steps and 8 text tokens
+QUICK = ["--mixed-precision", "no", "--resolution", "64", "--sample-steps", "4", "--max-sequence-length", "8"]
+PROMPTS = ["a red apple on a wooden table", "a lighthouse at sunset", "two cats on a sofa", "a bowl of ramen"]
+
+
+# --------------------------------------------------------------------------- random weights at the real shapes
+
+
+def text_widths(kind, config):
+    """The text encoders' widths the transformer reads: SD3 concatenates CLIP-L and CLIP-G (pooled: their sum) and
+    pads them to T5's width; FLUX pools CLIP-L and attends over T5."""
+    pooled, joint = config["pooled_projection_dim"], config["joint_attention_dim"]
+    return ((768, 1280) if pooled == 2048 else (pooled // 2, pooled // 2), joint) if kind == "sd3" else \
+        ((pooled,), joint)
+
+
+def random_pipeline(kind, dtype, device, quick):
+    """A StableDiffusion3Pipeline / FluxPipeline with random weights: the transformer and VAE built on `device`."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
+
+    import gpu
+    import memory
+    from tests import hub_standins as standins
+
+    cls_name, _, _, scheduler, config, quick_config, _, _ = gpu.MODELS[kind]
+    config = quick_config if quick else config
+    transformer = gpu.build_transformer(cls_name, config, device, dtype)
+    vae_config = dict(memory.VAE_16CH, block_out_channels=(8, 16, 16, 32), layers_per_block=1, norm_num_groups=8) \
+        if quick else memory.VAE_16CH
+    with torch.device(device):
+        vae = AutoencoderKL(**vae_config, scaling_factor=memory.VAE_FACTORS[kind][0],
+                            shift_factor=memory.VAE_FACTORS[kind][1]).to(dtype).eval()
+    clip_widths, t5_width = text_widths(kind, config)
+    clips = [standins.clip_text_encoder(0, f"{kind}/clip{i}", w, kind == "sd3") for i, w in enumerate(clip_widths)]
+    t5_tokenizer = standins.t5_tokenizer()
+    t5 = standins.t5_encoder(0, f"{kind}/t5", t5_width, len(t5_tokenizer))
+    common = dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
+                  text_encoder=clips[0].to(dtype), tokenizer=standins.clip_tokenizer())
+    if kind == "sd3":
+        return StableDiffusion3Pipeline(**common, text_encoder_2=clips[1].to(dtype),
+                                        tokenizer_2=standins.clip_tokenizer(), text_encoder_3=t5.to(dtype),
+                                        tokenizer_3=t5_tokenizer)
+    return FluxPipeline(**common, text_encoder_2=t5.to(dtype), tokenizer_2=t5_tokenizer)
+
+
+def random_clip_reward(quick, use_logit_scale, divide_by):
+    """A loader in reward.REWARDS' form: a random CLIP ViT-H/14 (PickScore's and HPSv2.1's architecture) made on the
+    device, read as reward.py reads the real one."""
+
+    def load(device, dtype=None):
+        import torch
+        from transformers import CLIPConfig, CLIPModel
+
+        import memory
+        import reward
+        from tests import hub_standins as standins
+
+        config = standins.clip_config(32, 32, "gelu") if quick else CLIPConfig(
+            text_config=memory.VIT_H14["text"], vision_config=memory.VIT_H14["vision"],
+            projection_dim=memory.VIT_H14["projection_dim"])
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = CLIPModel(config).eval()
+        return reward.clip_similarity_reward(model.to(device), standins.clip_processor(), device, use_logit_scale,
+                                             divide_by, dtype)
+
+    return load
+
+
+# --------------------------------------------------------------------------- one configuration, in its own process
+
+
+def run_config(name, quick, out_dir):
+    """One iteration of configuration `name` through vgrpo's own functions -> what the report shows."""
+    import torch
+
+    import reward
+    import vgrpo
+
+    device = "cpu" if quick else "cuda"
+    prompts = os.path.join(out_dir, "prompts.txt")
+    with open(prompts, "w") as f:
+        f.write("\n".join(PROMPTS) + "\n")
+    vgrpo.load_pipeline = lambda _name, kind, dtype: random_pipeline(kind, dtype, device, quick)
+    reward.REWARDS.update(pickscore=random_clip_reward(quick, True, 26.0), hpsv2=random_clip_reward(quick, False, 1.0))
+    vgrpo.quiet_libraries()
+    args = vgrpo.parse_args([*CONFIGS[name], *(QUICK if quick else []), "--device", device, "--prompts", prompts,
+                             "--iterations", "1", "--output-dir", out_dir])
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    vgrpo.validate(args, world)
+    started = time.perf_counter()
+    run, start = vgrpo.start_run(args)
+    built = time.perf_counter() - started
+    first = {}
+    vgrpo.update = first_step_check(vgrpo.update, first)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    vgrpo.use_stage(run, start)
+    stats, images, prompts_, r, A = vgrpo.train_iteration(run, start)
+    m = vgrpo.iteration_metrics(run, start, stats, r, A)
+    return dict(name=name, flags=" ".join(CONFIGS[name]), resolution=args.resolution, steps=args.sample_steps,
+                n_mc=args.n_mc, inner_steps=args.inner_steps, micro_batch=args.micro_batch, images=len(images),
+                image_tokens=run.family.image_tokens, build_s=built, iteration_s=m["time_total"],
+                phases={k: m[f"time_{k}"] for k in ("rollout", "reward", "old", "update")},
+                policy_loss=m["policy_loss"], grad_norm=m["grad_norm"], skipped_steps=m["skipped_steps"],
+                ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], first_step_ratio=first.get("ratio"),
+                peak_gib=m.get("peak_memory_gib"), device=str(run.device),
+                gpu=torch.cuda.get_device_name() if device == "cuda" else None)
+
+
+def first_step_check(real_update, record):
+    """vgrpo.update, preceded by an old-surrogate pass over every minibatch with the same weights; the update's first
+    forward (its first micro-batch) is compared with it: record["ratio"] = the largest |exp(s_update - s_old) - 1|
+    there."""
+    import vgrpo
+
+    def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None):
+        s_old, _ = vgrpo.old_surrogate(family, family.transformer, batch, args, n_prompts, from_step=0)
+        _, idx = next(vgrpo.micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch,
+                                          s_old.device))
+        real_loss = vgrpo.vgrpo_loss
+
+        def loss(s_new, *rest, **kw):  # the first call is the first micro-batch's
+            if "ratio" not in record:
+                record["ratio"] = (s_new.detach() - s_old[idx]).exp().sub(1).abs().max().item()
+            return real_loss(s_new, *rest, **kw)
+
+        vgrpo.vgrpo_loss = loss
+        try:
+            return real_update(family, model, optimizer, params, batch, args, n_prompts, scaler)
+        finally:
+            vgrpo.vgrpo_loss = real_loss
+
+    return update
+
+
+def run_digits(quick, out_dir):
+    """The CPU demo's command on the GPU (or the CPU with --quick), 2 iterations evaluated at the end."""
+    command = [sys.executable, os.path.join(ROOT, "vgrpo.py"), "--device", "cpu" if quick else "cuda",
+               "--iterations", "2", "--eval-every", "2", "--output-dir", out_dir]
+    started = time.perf_counter()
+    p = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"python vgrpo.py exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        m = [json.loads(line) for line in f][-1]
+    with open(os.path.join(out_dir, "eval.jsonl")) as f:
+        evals = [json.loads(line) for line in f]
+    return dict(name="digits", flags="--model digits (the CPU demo), --iterations 2 --eval-every 2", resolution=16,
+                steps=12, n_mc=4, inner_steps=1, micro_batch=4, images=32, image_tokens=16, build_s=None,
+                iteration_s=time.perf_counter() - started, phases={}, policy_loss=m["policy_loss"],
+                grad_norm=m["grad_norm"], skipped_steps=m["skipped_steps"], ratio_min=m["ratio_min"],
+                ratio_max=m["ratio_max"], first_step_ratio=abs(m["ratio_max"] - 1), peak_gib=m.get("peak_memory_gib"),
+                held_out=[e["eval_digit_correct"] for e in evals], device="cpu" if quick else "cuda")
+
+
+def problems(res):
+    """What is wrong with one configuration's result (an empty list: it passed)."""
+    out = []
+    if res.get("error"):
+        return [res["error"]]
+    if res["first_step_ratio"] is None or res["first_step_ratio"] > 1e-6:
+        out.append(f"ratio at the first inner step off 1 by {res['first_step_ratio']}")
+    if not (math.isfinite(res["policy_loss"]) and math.isfinite(res["grad_norm"])):
+        out.append(f"non-finite loss {res['policy_loss']} or gradient norm {res['grad_norm']}")
+    if res["skipped_steps"]:
+        out.append(f"{res['skipped_steps']} skipped step(s)")
+    return out
+
+
+# --------------------------------------------------------------------------- all of them, and the report
+
+
+def launch(name, quick, timeout, work):
+    """Configuration `name` in a fresh process (torchrun with one process for --fsdp) -> its result or its error."""
+    out_dir = os.path.join(work, name)
+    os.makedirs(out_dir, exist_ok=True)
+    result_file = os.path.join(out_dir, "result.json")
+    script = [os.path.join(HERE, "smoke.py"), "--child", name, "--work", work] + (["--quick"] if quick else [])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29517", *script] \
+        if "--fsdp" in CONFIGS[name] else [sys.executable, *script]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    try:
+        p = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return dict(name=name, error=f"no result within --timeout {timeout} s")
+    if p.returncode or not os.path.isfile(result_file):
+        last = [line for line in (p.stdout + p.stderr).strip().splitlines() if line.strip()][-3:]
+        return dict(name=name, error=f"exit {p.returncode}: {' / '.join(last)[-400:]}")
+    with open(result_file) as f:
+        return json.load(f)
+
+
+def report(results, meta):
+    lines = ["# GPU smoke run (`bench/smoke.py`)", ""]
+    if not meta["gpu"]:
+        lines += ["**Not run on a GPU.** This is `--quick`: tiny transformers on the CPU in float32, which only shows "
+                  "that every configuration runs end to end. `python bench/smoke.py` on a GPU runs the real shapes.",
+                  ""]
+    lines += [f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, {meta['date']}. Random weights at the "
+              "real shapes, one prompt group per configuration; ratio: the largest |exp(s_update - s_old) - 1| at the "
+              "first inner step (0: the update's first forward and the old-surrogate pass agree bit for bit).", "",
+              "| configuration | flags | px, steps, N_MC, inner steps | images | ratio at step 1 | policy loss | "
+              "grad norm | peak GiB | build s | iteration s | result |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for res in results:
+        if res.get("error"):
+            lines.append(f"| {res['name']} | `{' '.join(CONFIGS[res['name']])}` | | | | | | | | | **failed**: "
+                         f"{res['error']} |")
+            continue
+        bad = problems(res)
+        peak = "" if res["peak_gib"] is None else f"{res['peak_gib']:.1f}"
+        build = "" if res["build_s"] is None else f"{res['build_s']:.0f}"
+        lines.append(f"| {res['name']} | `{res['flags']}` | {res['resolution']}, {res['steps']}, {res['n_mc']}, "
+                     f"{res['inner_steps']} | {res['images']} | {res['first_step_ratio']:.1e} | "
+                     f"{res['policy_loss']:+.3e} | {res['grad_norm']:.3g} | {peak} | {build} | "
+                     f"{res['iteration_s']:.1f} | {'ok' if not bad else '**failed**: ' + '; '.join(bad)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: the script's own test")
+    p.add_argument("--only", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
+    p.add_argument("--timeout", type=float, default=150, help="seconds each configuration may take, its start included")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "smoke-gpu.md"), help="markdown; JSON beside it")
+    p.add_argument("--work", default=None, help="the runs' folders (default: a temporary one)")
+    p.add_argument("--child", help=argparse.SUPPRESS)   # inside the child process: this configuration
+    a = p.parse_args(argv)
+    import torch
+
+    if a.child:
+        result = run_digits(a.quick, os.path.join(a.work, a.child)) if a.child == "digits" else \
+            run_config(a.child, a.quick, os.path.join(a.work, a.child))
+        if int(os.environ.get("RANK", 0)) == 0:
+            with open(os.path.join(a.work, a.child, "result.json"), "w") as f:
+                json.dump(result, f)
+        return 0
+    names = a.only.split(",")
+    if not set(names) <= set(CONFIGS):
+        p.error(f"--only: choose from {', '.join(CONFIGS)}")
+    if not a.quick and not torch.cuda.is_available():
+        p.error("no CUDA device here: the smoke run needs one (--quick runs tiny shapes on the CPU)")
+    work = a.work or tempfile.mkdtemp(prefix="vgrpo-smoke-")
+    results = []
+    meta = dict(gpu=not a.quick, device=torch.cuda.get_device_name() if not a.quick else "the CPU",
+                torch=f"{torch.__version__} (CUDA {torch.version.cuda})" if not a.quick else torch.__version__,
+                date=datetime.date.today().isoformat(),
+                command=" ".join(["python bench/smoke.py", *(sys.argv[1:] if argv is None else argv)]))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    for name in names:
+        started = time.perf_counter()
+        res = launch(name, a.quick, a.timeout, work)
+        results.append(res)
+        print(f"{name}: {'; '.join(problems(res)) or 'ok'} ({time.perf_counter() - started:.0f} s)", flush=True)
+        with open(a.out, "w") as f:   # after every configuration: a run cut short keeps what it did
+            f.write(report(results, meta))
+        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+            json.dump(dict(meta, results=results), f, indent=1)
+    failed = [res["name"] for res in results if problems(res)]
+    print(f"wrote {a.out}" + (f"; FAILED: {', '.join(failed)}" if failed else "; every configuration passed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

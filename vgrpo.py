@@ -1832,9 +1832,10 @@ def state_bytes(run):
 
 def log_line(m, total):
     return (f"it {m['iteration']:5d}/{total} | reward {m['reward_mean']:+.5f} ± {m['reward_std']:.5f} "
-            f"flat {m['flat_groups']:.2f} | ratio [{m['ratio_min']:.4f}, {m['ratio_max']:.4f}] clip {m['clip_frac']:.3f} "
-            f"| kl {m['kl']:.2e} | gnorm {m['grad_norm']:.3f} | {m['time_total']:.2f}s (roll {m['time_rollout']:.2f} "
-            f"rew {m['time_reward']:.2f} old {m['time_old']:.2f} upd {m['time_update']:.2f})")
+            f"flat {m['flat_groups']:.2f} | ratio [{m['ratio_min']:.4f}, {m['ratio_max']:.4f}] "
+            f"clip {m['clip_frac']:.3f} | kl {m['kl']:.2e} | gnorm {m['grad_norm']:.3f} | {m['time_total']:.2f}s "
+            f"(roll {m['time_rollout']:.2f} rew {m['time_reward']:.2f} old {m['time_old']:.2f} "
+            f"upd {m['time_update']:.2f})")
 
 
 def describe(run, start):

@@ -144,6 +144,8 @@ class Args:
     gradient_checkpointing: bool = arg(None, "recompute activations in the backward pass (less memory, ~30%% slower; "
                                              "on for real models, off for digits and tiny)")
     tf32: bool = arg(True, "allow TF32 matmuls on CUDA (Ampere and newer)")
+    compile: str = arg("auto", "torch.compile each transformer block, once per run: on, off, auto (on CUDA except "
+                               "for digits and tiny); every pass runs the compiled blocks (docs/method.md)")
     attention: str = arg("flash,efficient,math", "the attention kernels torch may pick on CUDA, from flash, efficient, "
                                                  "cudnn, math (all four: torch's own choice); the default leaves out "
                                                  "cuDNN's, which fails in the backward on Hopper (docs/method.md)")
@@ -784,6 +786,7 @@ CHOICES = {
     "weighting": ("--weighting", ("adaptive", "none")),
     "mixed_precision": ("--mixed-precision", tuple(AMP_DTYPES)),
     "reward_advantage": ("--reward-advantage", ("sum", "per-reward")),
+    "compile": ("--compile", ("auto", "on", "off")),
 }
 DEFAULT_PROMPTS = [  # the tiny test models' prompts; the others train on a file of prompts/ or --prompts
     "a red apple on a wooden table", "a cat sleeping on a sofa", "a lighthouse at sunset",
@@ -1055,6 +1058,7 @@ class Family:
     in the pipeline's own format."""
 
     cfg = True  # does --guidance mean classifier-free guidance (two passes)? FLUX feeds it to an embedding
+    compiled = False  # --compile: the blocks run torch.compile'd (compile_blocks)
     cache_bytes = 2 << 30  # on-demand embeddings kept per prompt (FLUX's 512 T5 tokens: 4 MB each in bf16)
     store_bytes = 8 << 30  # host memory for the embeddings of every prompt, encoded at start (SD3: 2.7 MB each)
 
@@ -1362,6 +1366,29 @@ def add_trainable_weights(family, args):
     return params
 
 
+def compile_blocks(family, args, device):
+    """--compile: torch.compile on each transformer block in place (regional compilation), after LoRA is attached and
+    before FSDP2 shards the blocks. Blocks of one kind share their compiled code (torch inlines the modules, so the
+    weights are inputs, not constants): SD3.5-M compiles three kinds of block, FLUX two, in seconds rather than the
+    minutes a whole-model compile takes. A change of batch (rollout, micro-batch, a partial chunk, evaluation)
+    recompiles once with the batch dimension made dynamic, then never again. Every pass that computes a surrogate
+    runs these blocks, so the old surrogate and the update see the same compiled numerics."""
+    small = is_tiny(args.model) or args.model == "digits"  # compiling would take longer than their whole run
+    if args.compile == "off" or (args.compile == "auto" and (device.type != "cuda" or small)):
+        return False
+    for block in family.blocks():
+        block.compile()
+    family.compiled = True
+    return True
+
+
+def compiled_graphs():
+    """How many frames torch.compile has compiled in this process so far (each recompile counts)."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["ok"]
+
+
 def wrap_for_training(family, args, world, device):
     """DDP (every rank holds every weight, gradients averaged) or, with --fsdp, FSDP2: each transformer block
     sharded over the ranks, then the root, so weights, gradients and AdamW states take 1/world of the memory.
@@ -1412,6 +1439,7 @@ def build_run(args, rank, world, device):
     add_trainable_weights(family, args)
     start = load_trained_weights(args.resume, family, args) if args.resume else 0
     check_ranks_agree(args, family.transformer, world, device)  # before the wrap, which would hide a difference
+    compile_blocks(family, args, device)  # each block compiled in place, then sharded or wrapped
     model = wrap_for_training(family, args, world, device)
     params = [p for p in family.transformer.parameters() if p.requires_grad]  # after sharding: the local shards
     # fused on CUDA: one kernel for all parameters instead of a few per tensor (LoRA on SD3.5-M: ~600 tensors)
@@ -1765,6 +1793,8 @@ def iteration_metrics(run, it, stats, r, A):
         m["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
         torch.cuda.reset_peak_memory_stats(run.device)
     m["time_total"] = sum(m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update"))
+    if run.family.compiled:  # frames compiled so far: it grows only while shapes are still new
+        m["compiled_graphs"] = compiled_graphs()
     return m
 
 
@@ -1854,7 +1884,8 @@ def describe(run, start):
         f"{a.micro_batch * a.n_mc} rows per forward, {minibatch // a.micro_batch} accumulated)",
         f"precision: {a.mixed_precision if a.mixed_precision != 'no' else 'float32'} matmuls, float32 surrogate and "
         f"trained weights{', gradient checkpointing' if a.gradient_checkpointing else ''}"
-        f"{', text encoders offloaded to the CPU' if run.family.offload else ''}",
+        f"{', text encoders offloaded to the CPU' if run.family.offload else ''}"
+        f"{', blocks compiled (torch.compile: the first iteration compiles)' if run.family.compiled else ''}",
         f"iterations {start + 1}..{a.iterations}, output in {a.output_dir}"
         + (f", resumed from {a.resume}" if a.resume else "")
         + (f"; evaluation of {len(run.eval_prompts)} prompts x {a.eval_images} every {a.eval_every} iterations with "

@@ -33,10 +33,11 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffu
       'transformers', transformers.__version__, 'peft', peft.__version__)"
 } 2>&1 | tee "$out/device.txt"
 {
-    timeout 200 python3 bench/smoke.py --timeout 90 --out "$out/smoke-gpu.md"
+    # each configuration compiles its blocks (--compile auto on CUDA) within its own --timeout
+    timeout 240 python3 bench/smoke.py --timeout 100 --out "$out/smoke-gpu.md"
     echo "bench/smoke.py: exit $?"
     timeout 170 python3 bench/memory.py --gpu --time-limit 110 --out "$out/memory-gpu.md"
     echo "bench/memory.py --gpu: exit $?"
-    timeout 170 python3 bench/gpu.py --time-limit 110 --out "$out/gpu.md"
+    timeout 120 python3 bench/gpu.py --time-limit 80 --out "$out/gpu.md"
     echo "bench/gpu.py: exit $?"
 } 2>&1 | tee "$out/device.log"

@@ -123,10 +123,11 @@ def test_pixel_and_embedding_diversity_follow_their_formulas():
     1 - cosine of their embeddings; identical images (or embeddings, at any scale) give 0."""
     g = torch.Generator().manual_seed(0)
     assert vgrpo.pixel_diversity(torch.rand(1, 3, 8, 8, generator=g).expand(4, 3, 8, 8)) == 0.0
-    x = torch.rand(3, 3, 8, 8, generator=g)
+    x = (torch.rand(3, 3, 8, 8, generator=g) * 255).round() / 255       # uint8 levels, which the measure rounds to
     rms = [((x[i] - x[j]) ** 2).mean().sqrt().item() for i, j in ((0, 1), (0, 2), (1, 2))]
     assert vgrpo.pixel_diversity(x) == pytest.approx(sum(rms) / 3, rel=1e-5)
     assert vgrpo.pixel_diversity(x) > 0.3                              # independent uniform noise: about 0.41
+    assert vgrpo.pixel_diversity(x + 1e-4) == vgrpo.pixel_diversity(x)   # float noise below a uint8 level: none
     same = torch.randn(1, 16, generator=g) * torch.arange(1.0, 6.0)[:, None]
     assert abs(vgrpo.embedding_diversity(same)) < 1e-6
     f = torch.randn(4, 16, generator=g)
@@ -139,7 +140,7 @@ def test_the_evaluation_tally_groups_each_prompts_images_across_chunks():
     """EvalTally as evaluate feeds it: 3 prompts x 3 images in chunks of 4, so the second prompt's images arrive in
     two chunks; tags "a", none, "a". Every metric against its formula over the prompts' images."""
     g = torch.Generator().manual_seed(1)
-    images = torch.rand(9, 3, 4, 4, generator=g)
+    images = (torch.rand(9, 3, 4, 4, generator=g) * 255).round() / 255
     images[:3] = images[0]                                            # prompt 0: three copies of one picture
     features, reward = torch.randn(9, 8, generator=g), torch.rand(9, generator=g)
     local = [(i, k) for i in range(3) for k in range(3)]

@@ -2073,9 +2073,10 @@ class EvalTally:
 
 
 def pixel_diversity(images):
-    """How different n images of one prompt are: the mean over their pairs of the RMS pixel difference (images in
-    [0, 1]: 0 when all are the same picture, about 0.4 for independent uniform noise)."""
-    flat = images.float().flatten(1)
+    """How different n images of one prompt are: the mean over their pairs of the RMS pixel difference, on the uint8
+    pictures the rewards see (images in [0, 1]: 0 when all are the same picture, about 0.4 for independent uniform
+    noise). The rounding keeps it independent of batch sizes and process counts, whose float noise it removes."""
+    flat = (images.float().clamp(0, 1) * 255).round().flatten(1) / 255
     n = len(flat)
     distances = torch.cdist(flat, flat, compute_mode="donot_use_mm_for_euclid_dist")  # exact zeros for equal images
     return (distances.sum() / (n * (n - 1)) / flat.shape[1] ** 0.5).item()

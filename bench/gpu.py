@@ -13,14 +13,20 @@ families' targets) and gradient checkpointing, and run through vgrpo's own funct
   rollout  vgrpo.rollout on one --sample-batch of noises, timed over --rollout-steps ODE steps, scaled to all S
   old      vgrpo.old_surrogate on one micro-batch (micro-batch x N_MC rows, no gradients)
   update   vgrpo.update on one micro-batch: forward + backward of its rows, gradient clip, AdamW on the LoRA weights
+  decode   vgrpo.decode of --decode-batch latents by the 16-channel VAE (its published configuration)
+  reward   the reward on a --sample-batch of images: a random CLIP ViT-H/14 read as PickScore (SD3.5-M) or
+           HPSv2.1 (FLUX.1-dev), as reward.py reads the real ones
+  text     the text encoders at their published sizes (CLIP-L, bigG, T5-XXL), per prompt: a cost at start only
 
-Random text embeddings have the real shapes (SD3: 333 tokens = 77 CLIP + 256 T5, pooled 2048; FLUX: 512 T5
-tokens, pooled 768). Seconds are the fastest of --repeats runs after a warm-up; peak memory is
+--modes eager,compiled (the default) measures rollout, old surrogate and update twice in one run: eager, then with
+vgrpo's --compile (each transformer block compiled in place), whose compile time is the warm-up's excess over a
+timed run. Random text embeddings have the real shapes (SD3: 333 tokens = 77 CLIP + 256 T5, pooled 2048; FLUX: 512
+T5 tokens, pooled 768). Seconds are the fastest of --repeats runs after a warm-up; peak memory is
 torch.cuda.max_memory_allocated over the phase (weights included). TFLOP/s counts the FLOPs of one forward of one
 row and of one update of one sample with torch.utils.flop_counter (backward and checkpointing's recomputation
 included) and divides by the measured time; "of peak" compares it with the device's dense bf16 peak. The split
-multiplies the measured times out to one iteration of the recipe on --gpus GPUs, per GPU (rollout without VAE
-decoding; the reward is not timed). --quick runs the same code on tiny transformers on the CPU in float32.
+multiplies the measured times out to one iteration of the recipe on --gpus GPUs, per GPU, eager and compiled.
+--quick runs the same code on tiny transformers on the CPU in float32.
 """
 
 import argparse
@@ -91,6 +97,64 @@ def build_transformer(cls_name, config, device, dtype):
     return model.to(device).eval().requires_grad_(False)
 
 
+def build_vae(name, quick, device, amp):
+    """The 16-channel AutoencoderKL of SD3.5 and FLUX.1 (bench/memory.py's published configuration; --quick: tiny)."""
+    from diffusers import AutoencoderKL
+
+    import memory
+
+    config = dict(memory.VAE_16CH, block_out_channels=(8, 16, 16, 32), layers_per_block=1, norm_num_groups=8) \
+        if quick else memory.VAE_16CH
+    scaling, shift = memory.VAE_FACTORS[name]
+    with torch.device(device):
+        torch.manual_seed(0)
+        vae = AutoencoderKL(**config, scaling_factor=scaling, shift_factor=shift)
+    return vae.to(device, amp or torch.float32).eval().requires_grad_(False)
+
+
+# the text encoders' published configurations: CLIP-L/14 and OpenCLIP bigG/14 text towers (SD3's two CLIPs; FLUX
+# reads CLIP-L's pooled output), T5 v1.1 XXL's encoder (both, at 256 / 512 tokens); --quick: two-layer toys
+TEXT_ENCODERS = {
+    "clip_l": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                   projection_dim=768, vocab_size=49408, max_position_embeddings=77, hidden_act="quick_gelu"),
+    "clip_g": dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+                   projection_dim=1280, vocab_size=49408, max_position_embeddings=77, hidden_act="gelu"),
+    "t5": dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128,
+               feed_forward_proj="gated-gelu", dropout_rate=0.0),
+}
+ENCODERS_OF = {"sd3": ("clip_l", "clip_g", "t5"), "flux": ("clip_l", "t5")}
+
+
+def text_encoding(name, quick, device, dtype, max_t5_tokens, prompts=32):
+    """Seconds per prompt of the model's text encoders at their real sizes (random weights, random token ids of the
+    real lengths): what encoding a prompt file once at start costs (vgrpo's embedding store)."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    encoders = []
+    for key in ENCODERS_OF[name]:
+        config = TEXT_ENCODERS[key]
+        if quick:
+            config = dict(config, **(dict(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2) if key == "t5" else
+                                     dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, projection_dim=32)))
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = T5EncoderModel(T5Config(**config)) if key == "t5" else \
+                CLIPTextModelWithProjection(CLIPTextConfig(**config))
+        tokens = max_t5_tokens if key == "t5" else 77
+        ids = torch.randint(config["vocab_size"], (prompts, tokens), device=device)
+        encoders.append((model.to(dtype).eval(), ids))
+
+    @torch.no_grad()
+    def encode():
+        for model, ids in encoders:
+            model(input_ids=ids)
+
+    seconds, _, _ = timed(encode, device, 1)
+    del encoders
+    return seconds / prompts
+
+
 def make_family(name, quick, device):
     """vgrpo's SD3Family / FluxFamily around a bare transformer, and the recipe's Args with LoRA r32. A stand-in
     pipeline holds the transformer, the scheduler (for the sigma grid) and FLUX's image-token layout."""
@@ -103,9 +167,10 @@ def make_family(name, quick, device):
     amp = None if quick else torch.bfloat16
     transformer = build_transformer(cls_name, config, device, amp or torch.float32)
     transformer.enable_gradient_checkpointing()
-    pipe = types.SimpleNamespace(transformer=transformer, vae_scale_factor=8,
+    pipe = types.SimpleNamespace(transformer=transformer, vae_scale_factor=8, vae=build_vae(name, quick, device, amp),
                                  scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
-                                 _prepare_latent_image_ids=FluxPipeline._prepare_latent_image_ids)
+                                 _prepare_latent_image_ids=FluxPipeline._prepare_latent_image_ids,
+                                 _unpack_latents=FluxPipeline._unpack_latents)
     kw = dict(guidance=args.guidance) if name == "flux" else {}
     family = family_cls(pipe, resolution, tokens, device, amp_dtype=amp, **kw)
     return family, args, (tokens, config["joint_attention_dim"], config["pooled_projection_dim"])
@@ -134,9 +199,12 @@ def sync(device):
 
 
 def timed(fn, device, repeats):
-    """Fastest of `repeats` runs after one warm-up, and the peak memory over them (GiB; None on the CPU)."""
+    """Fastest of `repeats` runs after one warm-up, the peak memory over them (GiB; None on the CPU) and the warm-up's
+    seconds (which include torch.compile's compiling, when the blocks are compiled)."""
+    t = time.perf_counter()
     fn()
     sync(device)
+    warm_up = time.perf_counter() - t
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     best = math.inf
@@ -146,7 +214,7 @@ def timed(fn, device, repeats):
         sync(device)
         best = min(best, time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return best, peak
+    return best, peak, warm_up
 
 
 def count_flops(fn):
@@ -168,6 +236,7 @@ def measure_model(name, a, gpus, device, deadline):
     cond, noise, sigmas, batch = inputs(family, args, text_shape, mb, device)
     first_k = torch.cat([sigmas[:k], sigmas[-1:]])    # k velocity evaluations, the last one straight to sigma = 0
     res = dict(model=TITLES[name], resolution=family.resolution, steps=args.sample_steps, sample_batch=sb,
+               decode_batch=args.decode_batch, compiled=None,
                micro_batch=mb, n_mc=args.n_mc, lora_rank=args.lora_rank, image_tokens=family.image_tokens,
                text_tokens=text_shape[0], lora_params=sum(p.numel() for p in params), phases={},
                recipe=dict(P=args.prompts_per_step, G=args.group_size, inner_steps=args.inner_steps))
@@ -188,27 +257,66 @@ def measure_model(name, a, gpus, device, deadline):
         "update": (lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1), mb,
                    res["flops_update_sample"] * mb),
     }
+    run_phases(res["phases"], phases, args, k, a.repeats, device, deadline)
+    if "eager" in a.modes:   # what else an iteration does: decode, reward; the text encoders once per prompt
+        measure_beside(res, name, a.quick, family, args, cond, noise, device, deadline)
+    if "compiled" in a.modes and time.perf_counter() < deadline:
+        vgrpo.compile_blocks(family, dataclasses.replace(args, compile="on"), device)
+        res["compiled"] = {}
+        run_phases(res["compiled"], phases, args, k, a.repeats, device, deadline)
+    if "eager" not in a.modes:   # compiled only: its numbers are the phases'
+        res["phases"], res["compiled"] = res["compiled"] or {}, None
+    return res
+
+
+def run_phases(out, phases, args, k, repeats, device, deadline):
+    """Time each phase into out[phase]; the warm-up's excess over a timed run is the compile time (compiled blocks)."""
     for phase, (fn, samples, flops) in phases.items():
         if time.perf_counter() > deadline:
             print(f"  {phase}: skipped, --time-limit reached", flush=True)
             continue
-        seconds, peak = timed(fn, device, a.repeats)
+        seconds, peak, warm_up = timed(fn, device, repeats)
         if phase == "rollout":  # k of the S steps were timed; every step costs the same, so scale to S
             seconds, flops = seconds * args.sample_steps / k, flops * args.sample_steps / k
-        res["phases"][phase] = dict(samples=samples, seconds=seconds, images_per_s=samples / seconds,
-                                    peak_gib=peak, tflops=flops / seconds / 1e12)
-        print(f"  {phase}: {seconds:.3f} s for {samples} samples", flush=True)
-    return res
+        out[phase] = dict(samples=samples, seconds=seconds, images_per_s=samples / seconds, peak_gib=peak,
+                          tflops=flops / seconds / 1e12, warm_up_s=warm_up)
+        print(f"  {phase}: {seconds:.3f} s for {samples} samples (warm-up {warm_up:.1f} s)", flush=True)
 
 
-def iteration_split(res, gpus):
-    """Seconds per GPU for one iteration of the recipe: P*G/gpus samples, rollouts in sample batches, the old
-    surrogate for the minibatches after the first (as vgrpo.train_iteration), every micro-batch updated once."""
-    r, ph = res["recipe"], res["phases"]
-    if len(ph) < 3:
+def measure_beside(res, name, quick, family, args, cond, noise, device, deadline):
+    """The VAE decode of --decode-batch images, the reward (PickScore's ViT-H/14 for SD3.5-M, HPSv2.1's for FLUX.1-dev,
+    random weights) on a --sample-batch of images, and the text encoders per prompt."""
+    import smoke
+
+    sb, db = args.sample_batch, args.decode_batch
+    images = vgrpo.decode(family, noise[:db], db)                     # (db, 3, H, W) in [0, 1]
+    fn = smoke.random_clip_reward(quick, name == "sd3", 26.0 if name == "sd3" else 1.0)(device, family.amp_dtype)
+    pictures = images.repeat(-(-sb // db), 1, 1, 1)[:sb]
+    beside = {"decode": (lambda: vgrpo.decode(family, noise[:db], db), db),
+              "reward": (lambda: fn(pictures, ["a prompt"] * sb), sb)}
+    for phase, (run, samples) in beside.items():
+        if time.perf_counter() > deadline:
+            continue
+        seconds, peak, _ = timed(run, device, 2)
+        res["phases"][phase] = dict(samples=samples, seconds=seconds, images_per_s=samples / seconds, peak_gib=peak)
+        print(f"  {phase}: {seconds:.3f} s for {samples} images", flush=True)
+    if time.perf_counter() < deadline:
+        t5_tokens = 8 if quick else {"sd3": 256, "flux": 512}[name]
+        res["text_s_per_prompt"] = text_encoding(name, quick, device, family.amp_dtype or torch.float32, t5_tokens)
+        print(f"  text encoders: {res['text_s_per_prompt'] * 1e3:.1f} ms per prompt", flush=True)
+
+
+def iteration_split(res, gpus, phases):
+    """Seconds per GPU for one iteration of the recipe: P*G/gpus samples, rollouts in sample batches, the decode in
+    decode batches and the reward on them all (where measured), the old surrogate for the minibatches after the first
+    (as vgrpo.train_iteration), every micro-batch updated once. phases: the eager or the compiled timings."""
+    r, ph = res["recipe"], phases
+    if not all(k in ph for k in ("rollout", "old surrogate", "update")):
         return None
     n = r["P"] * r["G"] / gpus
     split = {"rollout": n / res["sample_batch"] * ph["rollout"]["seconds"],
+             "decode": n / res["decode_batch"] * ph["decode"]["seconds"] if "decode" in ph else 0.0,
+             "reward": n / ph["reward"]["samples"] * ph["reward"]["seconds"] if "reward" in ph else 0.0,
              "old surrogate": (r["inner_steps"] - 1) / r["inner_steps"] * n / res["micro_batch"]
              * ph["old surrogate"]["seconds"],
              "update": n / res["micro_batch"] * ph["update"]["seconds"]}
@@ -216,7 +324,8 @@ def iteration_split(res, gpus):
 
 
 def report(results, meta):
-    """The markdown file: where and how it was measured, the per-phase table, the per-iteration split."""
+    """The markdown file: where and how it was measured, the per-phase table (eager, then compiled), the per-iteration
+    split of each."""
     peak = meta["peak_tflops"]
     lines = ["# GPU benchmark (`bench/gpu.py`)", ""]
     if not meta["gpu"]:
@@ -225,33 +334,49 @@ def report(results, meta):
                   "GPU to measure the real shapes.", ""]
     where = f"{meta['device']} (dense bf16 peak {peak or '?'} TFLOP/s)" if meta["gpu"] else "the CPU"
     lines += [f"`{meta['command']}` on {where}, torch {meta['torch']}, diffusers {meta['diffusers']}, {meta['date']}; "
-              f"weights in {meta['dtype']}, LoRA r32 (float32), gradient checkpointing, fastest of {meta['repeats']}.",
-              "", "| model | phase | samples | rows | seconds | images/s | peak GiB | TFLOP/s | of peak |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              f"weights in {meta['dtype']}, LoRA r32 (float32), gradient checkpointing, fastest of {meta['repeats']}; "
+              "compiled: vgrpo's `--compile` (each transformer block), its compile time the first run's excess.",
+              "", "| model | phase | samples | rows | eager s | TFLOP/s | of peak | compiled s | TFLOP/s | of peak | "
+              "compile s | peak GiB |", "| --- | --- | --- | --- |" + " ---: |" * 8]
+    share = (lambda p: f"{p['tflops'] / peak:.1%}" if peak and "tflops" in p else "")  # noqa: E731
     for res in results:
         title = f"{res['model']} {res['resolution']} px" + ("" if meta["gpu"] else " (tiny)")
         rows = res["micro_batch"] * res["n_mc"]
+        compiled = res.get("compiled") or {}
         for phase, what in (("rollout", f"{res['sample_batch']} x {res['steps']} steps"),
-                            ("old surrogate", f"{rows}"), ("update", f"{rows}, fwd + bwd")):
-            p = res["phases"].get(phase)
-            if p is None:
-                lines.append(f"| {title} | {phase} | | | not run (--time-limit) | | | | |")
+                            ("old surrogate", f"{rows}"), ("update", f"{rows}, fwd + bwd"),
+                            ("decode", f"{res['decode_batch']} images"), ("reward", "ViT-H/14")):
+            p, c = res["phases"].get(phase), compiled.get(phase)
+            if p is None and c is None:
+                lines.append(f"| {title} | {phase} | | | not run | | | | | | | |")
                 continue
-            memory = "" if p["peak_gib"] is None else f"{p['peak_gib']:.1f}"
-            share = f"{p['tflops'] / peak:.1%}" if peak else ""
-            lines.append(f"| {title} | {phase} | {p['samples']} | {what} | {p['seconds']:.3f} | "
-                         f"{p['images_per_s']:.2f} | {memory} | {p['tflops']:.3g} | {share} |")
+            p = p or {}
+            eager = f"{p['seconds']:.3f} | {p['tflops']:.3g} | {share(p)}" if "tflops" in p else \
+                (f"{p['seconds']:.3f} | | " if p else " | | ")
+            compile_s = max(c["warm_up_s"] - c["seconds"], 0) if c else 0
+            comp = f"{c['seconds']:.3f} | {c['tflops']:.3g} | {share(c)} | {compile_s:.1f}" if c else " | | | "
+            memory = next((f"{x['peak_gib']:.1f}" for x in (c, p) if x and x.get("peak_gib") is not None), "")
+            samples = (p or c)["samples"]
+            lines.append(f"| {title} | {phase} | {samples} | {what} | {eager} | {comp} | {memory} |")
     on = f"on {meta['gpus']} GPUs, seconds per GPU" if meta["gpu"] else "in one CPU process, seconds"
-    lines += ["", f"One iteration of each model's recipe (vgrpo.RECIPES) {on} (rollout without VAE decoding; the "
-                  "reward is not timed):", "",
-              "| model | recipe | samples per GPU | rollout | old surrogate | update | total | images/s per GPU |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for res in (res for res in results if res["split"]):
-        s, r = res["split"], res["recipe"]
-        parts = " | ".join(f"{s[k]:.1f} ({s[k] / s['total']:.0%})" for k in ("rollout", "old surrogate", "update"))
-        lines.append(f"| {res['model']} | {r['P']} x {r['G']}, {res['steps']} steps, N_MC {res['n_mc']}, "
-                     f"{r['inner_steps']} inner step(s) | {s['samples_per_gpu']:g} | {parts} | {s['total']:.1f} | "
-                     f"{s['images_per_s']:.2f} |")
+    lines += ["", f"One iteration of each model's recipe (vgrpo.RECIPES) {on}; the text encoders run once per prompt "
+                  "at start, not per iteration:", "",
+              "| model | recipe | blocks | samples per GPU | rollout | decode | reward | old surrogate | update | "
+              "total | images/s per GPU |", "|" + " --- |" * 11]
+    for res in results:
+        r = res["recipe"]
+        for kind, s in (("eager", res["split"]), ("compiled", res.get("split_compiled"))):
+            if not s:
+                continue
+            parts = " | ".join(f"{s[k]:.1f} ({s[k] / s['total']:.0%})"
+                               for k in ("rollout", "decode", "reward", "old surrogate", "update"))
+            lines.append(f"| {res['model']} | {r['P']} x {r['G']}, {res['steps']} steps, N_MC {res['n_mc']}, "
+                         f"{r['inner_steps']} inner step(s) | {kind} | {s['samples_per_gpu']:g} | {parts} | "
+                         f"{s['total']:.1f} | {s['images_per_s']:.2f} |")
+    text = [f"{res['model']} {res['text_s_per_prompt'] * 1e3:.3g} ms per prompt (600 prompts: "
+            f"{600 * res['text_s_per_prompt']:.3g} s at start)" for res in results if "text_s_per_prompt" in res]
+    sizes = "their real sizes" if meta["gpu"] else "two-layer toys (--quick)"
+    lines += [] if not text else ["", f"Text encoders, random weights at {sizes}: " + "; ".join(text) + "."]
     lines += [] if not results else ["", "One row's forward (LoRA included): " + "; ".join(
         f"{res['model']} {res['flops_forward_row'] / 1e9:.4g} GFLOP, {res['image_tokens']} image + "
         f"{res['text_tokens']} text tokens, {res['params'] / 1e6:.4g} M weights + {res['lora_params'] / 1e6:.3g} M LoRA"
@@ -271,6 +396,8 @@ def main(argv=None):
     p.add_argument("--rollout-steps", type=int, default=4, help="ODE steps timed per rollout, scaled to the recipe's")
     p.add_argument("--attention", default=vgrpo.default_flags()["attention"],
                    help="the SDPA kernels allowed, as vgrpo's --attention")
+    p.add_argument("--modes", default="eager,compiled", help="eager, compiled (vgrpo's --compile: each block "
+                                                             "compiled) or both, side by side")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per phase after a warm-up; the fastest counts")
     p.add_argument("--out", default=os.path.join(HERE, "results", "gpu.md"), help="markdown; the JSON goes beside it")
     a = p.parse_args(argv)
@@ -293,7 +420,9 @@ def main(argv=None):
             continue
         print(f"{TITLES[name]}:", flush=True)
         res = measure_model(name, a, gpus, device, deadline)
-        res["split"] = iteration_split(res, gpus)
+        res["split"] = iteration_split(res, gpus, res["phases"])
+        res["split_compiled"] = iteration_split(res, gpus, {**res["phases"], **res["compiled"]}) \
+            if res.get("compiled") else None
         results.append(res)
         gc.collect()
         if device.type == "cuda":

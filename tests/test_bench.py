@@ -311,15 +311,15 @@ def test_gpu_bench_quick_mode(tmp_path):
         assert 2 * sum(t.numel() for t in [*model.parameters(), *model.buffers()]) == pytest.approx(size, rel=0.01)
 
     out = tmp_path / "gpu.md"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--quick", "--out", str(out)],
-                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--quick", "--modes", "eager", "--out",
+                        str(out)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     md, data = out.read_text(), json.loads((tmp_path / "gpu.json").read_text())
     assert "**Not run on a GPU.**" in md and not data["gpu"] and data["dtype"] == "float32"
     assert [r["model"] for r in data["results"]] == ["SD3.5-M", "FLUX.1-dev"]
     for r in data["results"]:
         ph, split, recipe = r["phases"], r["split"], r["recipe"]
-        assert list(ph) == ["rollout", "old surrogate", "update"] and r["lora_rank"] == 32
+        assert list(ph) == ["rollout", "old surrogate", "update", "decode", "reward"] and r["lora_rank"] == 32
         assert r["image_tokens"] == 16 and r["text_tokens"] == 8       # 64 px, 8x VAE, 2x2 patches; 8 text tokens
         # one sample's update: N_MC rows forward, recomputed (checkpointing) and backward: 2 to 5 forwards a row
         assert 2 * r["n_mc"] < r["flops_update_sample"] / r["flops_forward_row"] < 5 * r["n_mc"]
@@ -331,8 +331,25 @@ def test_gpu_bench_quick_mode(tmp_path):
         n = recipe["P"] * recipe["G"]                                  # one process holds every sample
         assert split["rollout"] == pytest.approx(n / r["sample_batch"] * rollout["seconds"])
         assert split["update"] == pytest.approx(n / r["micro_batch"] * upd["seconds"])
+        assert split["decode"] == pytest.approx(n / r["decode_batch"] * ph["decode"]["seconds"])
+        assert split["reward"] == pytest.approx(n / ph["reward"]["samples"] * ph["reward"]["seconds"])
+        assert split["total"] == pytest.approx(sum(split[k] for k in ("rollout", "decode", "reward", "old surrogate",
+                                                                       "update")))
         assert recipe["inner_steps"] == 1 and split["old surrogate"] == 0   # one inner step: no old pass
-        assert md.count(f"| {r['model']} 64 px (tiny) | ") == 3 and md.count(f"| {r['model']} | ") == 1
+        assert r["text_s_per_prompt"] > 0 and r["compiled"] is None and r["split_compiled"] is None
+        assert md.count(f"| {r['model']} 64 px (tiny) | ") == 5 and md.count(f"| {r['model']} | ") == 1
+    compiled_out = tmp_path / "compiled.md"   # both modes, one model: the compiled phases beside the eager ones
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--quick", "--models", "sd3",
+                        "--rollout-steps", "2", "--out", str(compiled_out)], env=ENV, cwd=ROOT, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    r = json.loads((tmp_path / "compiled.json").read_text())["results"][0]
+    assert list(r["compiled"]) == ["rollout", "old surrogate", "update"]
+    for phase, c in r["compiled"].items():
+        assert c["warm_up_s"] > c["seconds"] > 0                    # the first run compiled
+    assert r["split_compiled"]["update"] == pytest.approx(n / r["micro_batch"] * r["compiled"]["update"]["seconds"])
+    assert r["split_compiled"]["decode"] == r["split"]["decode"]     # the VAE is not compiled: the eager figure
+    assert "| SD3.5-M | 4 x 8, 10 steps, N_MC 4, 1 inner step(s) | compiled |" in compiled_out.read_text()
 
     gpu.main(["--quick", "--time-limit", "0", "--out", str(tmp_path / "nothing.md")])
     nothing = (tmp_path / "nothing.md").read_text()

@@ -738,6 +738,7 @@ def test_jsonl_metadata_reaches_rewards_and_evaluation_is_deterministic(tmp_path
     (["--model", "nonsense"], "--model nonsense: no such folder, and not a Hugging Face id"),
     (["--reward", "nope"], "unknown reward 'nope'"),
     (["--sampler", "heun"], "unknown sampler 'heun'"),
+    (["--ema", "1"], "--ema is a decay in [0, 1) (0: off), got 1.0"),
     (["--attention", "flash,cudnn2"], "--attention 'flash,cudnn2': a comma-separated list of flash, efficient, cudnn"),
     (["--group-size", "1"], "--group-size must be at least 2"),
     (["--inner-steps", "3"], "must divide --group-size"),

@@ -132,6 +132,8 @@ class Args:
                           "1e-5 for full fine-tuning)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    ema: float = arg(0.0, "decay of an EMA of the trained weights, updated after every optimizer step, used by the "
+                          "held-out evaluation and saved beside them (0: off, as the paper; e.g. 0.99)")
     lora_rank: int = arg(32, "LoRA rank (ignored with --full-finetune)")
     lora_alpha: float = arg(64.0, "LoRA alpha")
     full_finetune: bool = arg(None, "train every transformer weight instead of LoRA (default: on for the tiny models "
@@ -208,21 +210,7 @@ RECIPES = {
 RECIPES["tiny-flux"] = dict(RECIPES["tiny"], guidance=3.5, max_sequence_length=16)  # FLUX.1-dev's guidance value
 TRAIN_PROMPTS = os.path.join(HERE, "prompts", "train.txt")  # a real model's prompts when --prompts is not given
 
-# Named stages of the paper's curriculum: a model and a reward (and what the stage changes); the model's recipe
-# fills in the rest, and explicit flags override both. Prompt files are the project's (prompts/).
-PRESETS = {
-    "sd3-preference": dict(model="sd3", reward="pickscore:1,hpsv2:1,clipscore:1"),  # SD3.5-M's preference stages
-    # GenEval stages: the partial-credit score (a 0/1 reward leaves most groups of a hard prompt all equal), about
-    # 10 pairs, no soft clip (reported to hurt with a coarse reward)
-    "sd3-geneval": dict(model="sd3", reward="geneval_partial", prompts="prompts/geneval_train.jsonl", n_mc=10,
-                        adv_soft_clip=0.0),
-    # text rendering, the last stage: its prompts quote the text; the KL term keeps earlier skills (the paper's 0.3)
-    "sd3-ocr": dict(model="sd3", reward="ocr", prompts="prompts/ocr_train.txt", n_mc=10, iterations=30,
-                    adv_soft_clip=0.0, beta=0.3),
-    # the paper adds UnifiedReward, served over HTTP: append ,http://host:port/path to --reward
-    "flux-preference": dict(model="flux", reward="hpsv2:1,pickscore:1,imagereward:1"),
-}
-# --curriculum (CURRICULA: the paper's SD3.5-M stages as one launch) and resolve_defaults are below the marked line.
+# The curriculum's stages (PRESETS, CURRICULA: --preset, --curriculum) and resolve_defaults are below the marked line.
 
 
 # --------------------------------------------------------------------------- the method
@@ -419,6 +407,7 @@ class Run:
     eval_reward_fn: object = None
     trackers: object = None          # Trackers on rank 0 with --report-to
     stages: list = None              # the curriculum's Stages (without one, a single Stage: the whole run)
+    ema: object = None               # with --ema: the EMA of the trained weights (EMA, below)
 
     @property
     def n_prompts(self):
@@ -854,6 +843,8 @@ def check_sizes(args, world_size):
         raise UsageError(f"--resolution must be a positive multiple of 16, got {args.resolution}")
     if args.eval_every < 0 or args.eval_images < 1 or (args.eval_every and not args.eval_prompts):
         raise UsageError("--eval-every needs --eval-prompts (and must be >= 0); --eval-images must be >= 1")
+    if not 0 <= args.ema < 1:
+        raise UsageError(f"--ema is a decay in [0, 1) (0: off), got {args.ema}")
     if args.keep_last < 0 or args.max_bad_steps < 1 or args.dist_timeout < 1:
         raise UsageError("--keep-last must be >= 0, --max-bad-steps and --dist-timeout >= 1")
 
@@ -922,6 +913,20 @@ def check_resume_matches(args):
 # --------------------------------------------------------------------------- the curriculum: stages of one launch
 
 
+# Named stages of the paper's curriculum: a model and a reward (and what the stage changes); the model's recipe
+# fills in the rest, and explicit flags override both. Prompt files are the project's (prompts/).
+PRESETS = {
+    "sd3-preference": dict(model="sd3", reward="pickscore:1,hpsv2:1,clipscore:1"),  # SD3.5-M's preference stages
+    # GenEval stages: the partial-credit score (a 0/1 reward leaves most groups of a hard prompt all equal), about
+    # 10 pairs, no soft clip (reported to hurt with a coarse reward)
+    "sd3-geneval": dict(model="sd3", reward="geneval_partial", prompts="prompts/geneval_train.jsonl", n_mc=10,
+                        adv_soft_clip=0.0),
+    # text rendering, the last stage: its prompts quote the text; the KL term keeps earlier skills (the paper's 0.3)
+    "sd3-ocr": dict(model="sd3", reward="ocr", prompts="prompts/ocr_train.txt", n_mc=10, iterations=30,
+                    adv_soft_clip=0.0, beta=0.3),
+    # the paper adds UnifiedReward, served over HTTP: append ,http://host:port/path to --reward
+    "flux-preference": dict(model="flux", reward="hpsv2:1,pickscore:1,imagereward:1"),
+}
 # The paper's SD3.5-M curriculum as one launch: its stages (a preset each) and their lengths, 580 iterations in all.
 # The weights and optimizer carry over from stage to stage; --resume auto continues inside the right one.
 CURRICULA = {"sd3": [{"preset": "sd3-preference", "iterations": 150}, {"preset": "sd3-geneval", "iterations": 200},
@@ -1437,6 +1442,7 @@ def build_run(args, rank, world, device):
     except rewards_lib.RewardError as e:
         raise UsageError(str(e)) from None
     add_trainable_weights(family, args)
+    ema_values = resumed_ema(args, family)  # the saved EMA (read through the model before its own weights)
     start = load_trained_weights(args.resume, family, args) if args.resume else 0
     check_ranks_agree(args, family.transformer, world, device)  # before the wrap, which would hide a difference
     compile_blocks(family, args, device)  # each block compiled in place, then sharded or wrapped
@@ -1449,7 +1455,9 @@ def build_run(args, rank, world, device):
     sigmas = family.sigma_grid(args.sample_steps)
     run = Run(args, family, model, optimizer, params, stages[0].reward_fn, stages[0].prompts, stages[0].metadata,
               sigmas, negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn,
-              stages=stages)
+              stages=stages, ema=EMA(params, args.ema, ema_values) if args.ema else None)
+    if run.ema is not None:  # after every optimizer step that is taken (a skipped one leaves the EMA as it is)
+        optimizer.register_step_post_hook(lambda *_: run.ema.update())
     if args.resume:
         load_training_state(args.resume, run)
     return run, start
@@ -1681,17 +1689,13 @@ def save_checkpoint(run, iteration):
     if master:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    if master and args.full_finetune:
-        from huggingface_hub import save_torch_state_dict
-
-        family.transformer.save_config(os.path.join(tmp, "transformer"))
-        save_torch_state_dict(weights, os.path.join(tmp, "transformer"), max_shard_size="10GB",
-                              filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
-    elif master:
-        from peft.utils import get_peft_model_state_dict
-
-        family.save_lora(tmp, get_peft_model_state_dict(family.transformer, state_dict=weights),
-                         family.transformer.peft_config["default"].to_dict())
+    if master:
+        write_weights(family, args, weights, tmp)
+    if run.ema is not None:  # the EMA in the same format, in ema/ (every rank: FSDP gathers), written while in place
+        with run.ema.swapped_in():  # (on the CPU trained_weights' tensors are the weights themselves, not copies)
+            ema_weights = trained_weights(run)
+            if master:
+                write_weights(family, args, ema_weights, os.path.join(tmp, "ema"))
     if args.fsdp:  # each rank writes its own shard of the AdamW states (torch.distributed.checkpoint)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -1711,6 +1715,76 @@ def save_checkpoint(run, iteration):
     os.replace(tmp, final)
     prune_checkpoints(args.output_dir, args.keep_last)
     return final
+
+
+def write_weights(family, args, weights, directory):
+    """The trained weights as the pipelines load them: LoRA (pytorch_lora_weights.safetensors, pipe.load_lora_weights)
+    or the full transformer (transformer/, from_pretrained)."""
+    if args.full_finetune:
+        from huggingface_hub import save_torch_state_dict
+
+        family.transformer.save_config(os.path.join(directory, "transformer"))
+        save_torch_state_dict(weights, os.path.join(directory, "transformer"), max_shard_size="10GB",
+                              filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+    else:
+        from peft.utils import get_peft_model_state_dict
+
+        os.makedirs(directory, exist_ok=True)
+        family.save_lora(directory, get_peft_model_state_dict(family.transformer, state_dict=weights),
+                         family.transformer.peft_config["default"].to_dict())
+
+
+class EMA:
+    """--ema: an exponential moving average of the trained weights, e <- decay e + (1 - decay) w after every optimizer
+    step, in float32 (the trained weights' dtype). Under --fsdp each rank averages its own shards (DTensors), so the
+    EMA is sharded like the weights."""
+
+    def __init__(self, params, decay, initial=None):
+        self.params, self.decay = params, decay
+        if initial is None:
+            self.shadow = [p.detach().clone() for p in params]
+        else:  # from a checkpoint: full tensors, sharded like the weights under FSDP
+            self.shadow = [like(p, v) for p, v in zip(params, initial)]
+
+    @torch.no_grad()
+    def update(self):
+        for e, w in zip(self.shadow, self.params):
+            e.lerp_(w.detach(), 1 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """The EMA in the trained weights' place while the block runs, the trained weights back after it."""
+        with torch.no_grad():
+            kept = [p.detach().clone() for p in self.params]
+            for p, e in zip(self.params, self.shadow):
+                p.copy_(e)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, k in zip(self.params, kept):
+                    p.copy_(k)
+
+
+def like(param, full):
+    """A full tensor placed as `param` is: its shard where param is a DTensor (FSDP), else a copy on its device."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh, param.placements)
+    return full.to(param.device, param.dtype).clone()
+
+
+def resumed_ema(args, family):
+    """With --ema and --resume: the EMA saved in the checkpoint's ema/ (read into the model, which the checkpoint's
+    own weights then overwrite), as full tensors in the trained weights' order; None when starting fresh."""
+    directory = os.path.join(args.resume, "ema") if args.resume else ""
+    if not args.ema or not directory:
+        return None
+    if not os.path.isdir(directory):
+        raise UsageError(f"--resume {args.resume}: no ema/ in it (saved without --ema); resume without --ema")
+    load_weights(directory, family, args)
+    return [p.detach().clone() for p in family.transformer.parameters() if p.requires_grad]
 
 
 def complete_checkpoints(output_dir):
@@ -1735,6 +1809,13 @@ def prune_checkpoints(output_dir, keep_last):
 
 def load_trained_weights(directory, family, args):
     """Restore the trained weights from save_checkpoint's folder, before any wrapping; -> the iteration saved."""
+    load_weights(directory, family, args)
+    with open(os.path.join(directory, "state.json")) as f:
+        return json.load(f)["iteration"]
+
+
+def load_weights(directory, family, args):
+    """write_weights' folder (a checkpoint, or its ema/) into the transformer, before any wrapping."""
     from safetensors.torch import load_file
 
     if args.full_finetune:
@@ -1750,8 +1831,6 @@ def load_trained_weights(directory, family, args):
         result = set_peft_model_state_dict(family.transformer, state)
         if getattr(result, "unexpected_keys", None):
             raise UsageError(f"--resume {directory}: LoRA does not fit this model ({result.unexpected_keys[0]}, ...)")
-    with open(os.path.join(directory, "state.json")) as f:
-        return json.load(f)["iteration"]
 
 
 def load_training_state(directory, run):
@@ -1956,8 +2035,10 @@ def record(run, m, samples, first, last):
 
 
 def log_evaluation(run, done):
-    """Evaluate after `done` iterations (every rank); rank 0 appends to eval.jsonl, prints a line, saves a picture."""
-    m, images, prompts, r = evaluate(run, done)
+    """Evaluate after `done` iterations (every rank); rank 0 appends to eval.jsonl, prints a line, saves a picture.
+    With --ema the evaluation runs the EMA weights."""
+    with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
+        m, images, prompts, r = evaluate(run, done)
     if run.rank == 0:
         with open(os.path.join(run.args.output_dir, "eval.jsonl"), "a") as f:
             f.write(json.dumps(m) + "\n")

@@ -843,6 +843,10 @@ def check_sizes(args, world_size):
         raise UsageError(f"--resolution must be a positive multiple of 16, got {args.resolution}")
     if args.eval_every < 0 or args.eval_images < 1 or (args.eval_every and not args.eval_prompts):
         raise UsageError("--eval-every needs --eval-prompts (and must be >= 0); --eval-images must be >= 1")
+    if args.beta > 0 and args.inner_steps == 1 and int(os.environ.get("RANK", 0)) == 0:
+        print(f"vgrpo: note: --beta {args.beta:g} does nothing with --inner-steps 1: the KL is to the sampling policy, "
+              "which the only step starts from (value and gradient 0)" + (f" (stage {args.preset})" if args.curriculum
+                                                                          else ""), file=sys.stderr, flush=True)
     if not 0 <= args.ema < 1:
         raise UsageError(f"--ema is a decay in [0, 1) (0: off), got {args.ema}")
     if args.keep_last < 0 or args.max_bad_steps < 1 or args.dist_timeout < 1:

@@ -1459,8 +1459,11 @@ def build_run(args, rank, world, device):
     sigmas = family.sigma_grid(args.sample_steps)
     run = Run(args, family, model, optimizer, params, stages[0].reward_fn, stages[0].prompts, stages[0].metadata,
               sigmas, negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn,
-              stages=stages, ema=EMA(params, args.ema, ema_values) if args.ema else None)
-    if run.ema is not None:  # after every optimizer step that is taken (a skipped one leaves the EMA as it is)
+              stages=stages, ema=EMA(params, args.ema, ema_values, model) if args.ema else None)
+    # after every optimizer step: a step skipped for a NaN leaves the EMA as it is, except under fp16 on CUDA, where
+    # the fused AdamW is called with the scaler's found_inf and skips inside (the EMA then moves towards unchanged
+    # weights)
+    if run.ema is not None:
         optimizer.register_step_post_hook(lambda *_: run.ema.update())
     if args.resume:
         load_training_state(args.resume, run)
@@ -1743,8 +1746,8 @@ class EMA:
     step, in float32 (the trained weights' dtype). Under --fsdp each rank averages its own shards (DTensors), so the
     EMA is sharded like the weights."""
 
-    def __init__(self, params, decay, initial=None):
-        self.params, self.decay = params, decay
+    def __init__(self, params, decay, initial=None, model=None):
+        self.params, self.decay, self.model = params, decay, model
         if initial is None:
             self.shadow = [p.detach().clone() for p in params]
         else:  # from a checkpoint: full tensors, sharded like the weights under FSDP
@@ -1757,17 +1760,26 @@ class EMA:
 
     @contextlib.contextmanager
     def swapped_in(self):
-        """The EMA in the trained weights' place while the block runs, the trained weights back after it."""
+        """The EMA in the trained weights' place while the block runs, the trained weights back after it (kept on the
+        host, except FSDP's shards). FSDP2 leaves the root's own weights unsharded after a forward: resharding it
+        first makes the copies reach what the next forward gathers."""
         with torch.no_grad():
-            kept = [p.detach().clone() for p in self.params]
+            self.reshard()
+            kept = [p.detach().clone() if hasattr(p, "device_mesh") else p.detach().to("cpu", copy=True)
+                    for p in self.params]
             for p, e in zip(self.params, self.shadow):
                 p.copy_(e)
         try:
             yield
         finally:
             with torch.no_grad():
+                self.reshard()
                 for p, k in zip(self.params, kept):
                     p.copy_(k)
+
+    def reshard(self):
+        if hasattr(self.model, "reshard"):  # an FSDP2 module
+            self.model.reshard()
 
 
 def like(param, full):
@@ -2121,9 +2133,11 @@ class EvalTally:
         for j, (i, _) in enumerate(chunk):
             columns = [self.tags.index(self.tag_of[i])] if self.tag_of[i] is not None else []
             self.by_tag[:2, columns] += torch.tensor([[first[j].item()], [1.0]], dtype=torch.float64)
+            if self.images_per_prompt < 2:  # one image per prompt: no pairs, nothing to keep
+                continue
             mine = self.pending.setdefault(i, [])
             mine.append((images[j], None if features is None else features[j]))
-            if len(mine) == self.images_per_prompt and len(mine) > 1:  # the prompt's images are all here
+            if len(mine) == self.images_per_prompt:  # the prompt's images are all here
                 pixels, embedded = torch.stack([x for x, _ in mine]), [e for _, e in mine]
                 d = embedding_diversity(torch.stack(embedded)) if embedded[0] is not None else 0.0
                 self.embedded |= embedded[0] is not None

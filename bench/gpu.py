@@ -257,15 +257,16 @@ def measure_model(name, a, gpus, device, deadline):
         "update": (lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1), mb,
                    res["flops_update_sample"] * mb),
     }
-    run_phases(res["phases"], phases, args, k, a.repeats, device, deadline)
-    if "eager" in a.modes:   # what else an iteration does: decode, reward; the text encoders once per prompt
-        measure_beside(res, name, a.quick, family, args, cond, noise, device, deadline)
+    if "eager" in a.modes:
+        run_phases(res["phases"], phases, args, k, a.repeats, device, deadline)
+    # what else an iteration does: decode, reward (never compiled); the text encoders once per prompt
+    measure_beside(res, name, a.quick, family, args, cond, noise, device, deadline)
     if "compiled" in a.modes and time.perf_counter() < deadline:
         vgrpo.compile_blocks(family, dataclasses.replace(args, compile="on"), device)
         res["compiled"] = {}
         run_phases(res["compiled"], phases, args, k, a.repeats, device, deadline)
     if "eager" not in a.modes:   # compiled only: its numbers are the phases'
-        res["phases"], res["compiled"] = res["compiled"] or {}, None
+        res["phases"], res["compiled"] = {**res["phases"], **(res["compiled"] or {})}, None
     return res
 
 
@@ -276,10 +277,11 @@ def run_phases(out, phases, args, k, repeats, device, deadline):
             print(f"  {phase}: skipped, --time-limit reached", flush=True)
             continue
         seconds, peak, warm_up = timed(fn, device, repeats)
+        compile_s = max(warm_up - seconds, 0.0)  # what the first run took beyond a timed one (before any scaling)
         if phase == "rollout":  # k of the S steps were timed; every step costs the same, so scale to S
             seconds, flops = seconds * args.sample_steps / k, flops * args.sample_steps / k
         out[phase] = dict(samples=samples, seconds=seconds, images_per_s=samples / seconds, peak_gib=peak,
-                          tflops=flops / seconds / 1e12, warm_up_s=warm_up)
+                          tflops=flops / seconds / 1e12, warm_up_s=warm_up, compile_s=compile_s)
         print(f"  {phase}: {seconds:.3f} s for {samples} samples (warm-up {warm_up:.1f} s)", flush=True)
 
 
@@ -353,14 +355,18 @@ def report(results, meta):
             p = p or {}
             eager = f"{p['seconds']:.3f} | {p['tflops']:.3g} | {share(p)}" if "tflops" in p else \
                 (f"{p['seconds']:.3f} | | " if p else " | | ")
-            compile_s = max(c["warm_up_s"] - c["seconds"], 0) if c else 0
-            comp = f"{c['seconds']:.3f} | {c['tflops']:.3g} | {share(c)} | {compile_s:.1f}" if c else " | | | "
+            comp = f"{c['seconds']:.3f} | {c['tflops']:.3g} | {share(c)} | {c['compile_s']:.1f}" if c else " | | | "
             memory = next((f"{x['peak_gib']:.1f}" for x in (c, p) if x and x.get("peak_gib") is not None), "")
             samples = (p or c)["samples"]
             lines.append(f"| {title} | {phase} | {samples} | {what} | {eager} | {comp} | {memory} |")
+    return "\n".join(lines + split_lines(results, meta)) + "\n"
+
+
+def split_lines(results, meta):
+    """The per-iteration split of each model, eager and compiled, and the lines under it."""
     on = f"on {meta['gpus']} GPUs, seconds per GPU" if meta["gpu"] else "in one CPU process, seconds"
-    lines += ["", f"One iteration of each model's recipe (vgrpo.RECIPES) {on}; the text encoders run once per prompt "
-                  "at start, not per iteration:", "",
+    lines = ["", f"One iteration of each model's recipe (vgrpo.RECIPES) {on}; the text encoders run once per prompt "
+                 "at start, not per iteration:", "",
               "| model | recipe | blocks | samples per GPU | rollout | decode | reward | old surrogate | update | "
               "total | images/s per GPU |", "|" + " --- |" * 11]
     for res in results:
@@ -383,7 +389,7 @@ def report(results, meta):
         for res in results) + "."]
     if meta["skipped"]:
         lines += ["", f"Not measured, --time-limit reached first: {', '.join(meta['skipped'])}."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv=None):
@@ -402,8 +408,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results", "gpu.md"), help="markdown; the JSON goes beside it")
     a = p.parse_args(argv)
     names = a.models.split(",")
-    if not set(names) <= set(MODELS):
-        p.error(f"--models {a.models}: choose from {', '.join(MODELS)}")
+    if not set(names) <= set(MODELS) or not set(a.modes.split(",")) <= {"eager", "compiled"}:
+        p.error(f"--models {a.models} --modes {a.modes}: choose from {', '.join(MODELS)}; eager, compiled")
     if not a.quick and not torch.cuda.is_available():
         p.error("no CUDA device here: the GPU benchmark needs one (--quick runs tiny shapes on the CPU)")
     device = torch.device("cpu" if a.quick else "cuda")
@@ -427,6 +433,11 @@ def main(argv=None):
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    write(results, a, device, gpus, skipped, argv)
+
+
+def write(results, a, device, gpus, skipped, argv):
+    """results/gpu.md and gpu.json, with where and how they were measured."""
     import diffusers
 
     gpu = device.type == "cuda"

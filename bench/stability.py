@@ -121,7 +121,8 @@ def report(runs, iterations, eval_every, out_dir):
             f"{mean_sd([k['peak'] for k in knn])} | {mean_sd([k['final'] for k in knn])} | "
             f"{max(k['fall'] for k in knn):.3f} | {mean_sd([x['diversity']['start'] for x in s])} -> "
             f"{mean_sd([x['diversity']['final'] for x in s])} |")
-    lines += ["", "Per run (CNN / k-NN):", "", "| candidate | seed | peak (at) | final | fall | digits at 0 in the end |",
+    lines += ["", "Per run (CNN / k-NN):", "",
+              "| candidate | seed | peak (at) | final | fall | digits at 0 in the end |",
               "| --- | --- | --- | --- | --- | --- |"]
     for (name, seed) in sorted(runs, key=lambda k: (list(CONFIGS).index(k[0]), k[1])):
         x = summaries[name, seed]

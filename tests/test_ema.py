@@ -49,7 +49,8 @@ def test_the_ema_follows_its_formula_after_every_optimizer_step_and_swaps_back(t
 @pytest.mark.slow
 def test_the_ema_is_saved_loaded_by_diffusers_resumed_exactly_and_equal_on_two_processes_and_under_fsdp(tmp_path):
     # 2 inner steps of micro-batches of 2: the same rows per step on 1 or 2 processes (test_vgrpo.py: bit for bit)
-    common = [*FAST, "--iterations", "2", "--ema", "0.9", "--save-every", "1", "--inner-steps", "2", "--micro-batch", "2"]
+    common = [*FAST, "--iterations", "2", "--ema", "0.9", "--save-every", "1", "--inner-steps", "2",
+              "--micro-batch", "2"]
     for name, extra, nproc in (("one", [], None), ("two", [], 2), ("fsdp", ["--fsdp"], 2),
                                ("resumed", ["--resume", tmp_path / "one" / "checkpoint-1"], None)):
         p = run_script(*common, *extra, "--output-dir", tmp_path / name, nproc=nproc)

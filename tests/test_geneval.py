@@ -321,7 +321,8 @@ def test_geneval_and_its_partial_score_share_one_detector_pass_per_batch(judge):
         threshold = 0.9 if meta["tag"] == "counting" else 0.3
         objects = {}
         for c, score, box, mask in sorted(found, key=lambda d: -d[1]):
-            if np.float32(score) > np.float32(threshold) and len(objects.setdefault(reward.GENEVAL_CLASSES[c], [])) < 16:
+            name = reward.GENEVAL_CLASSES[c]
+            if np.float32(score) > np.float32(threshold) and len(objects.setdefault(name, [])) < 16:
                 objects[reward.GENEVAL_CLASSES[c]].append((box, mask))
         picture = (image * 255).round() / 255
         by_hand.append(reward.geneval_rules(meta, objects, lambda name, objs: judge.colours(picture, name, objs)))

@@ -65,21 +65,15 @@ def text_widths(kind, config):
 
 def random_pipeline(kind, dtype, device, quick):
     """A StableDiffusion3Pipeline / FluxPipeline with random weights: the transformer and VAE built on `device`."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
 
     import gpu
-    import memory
     from tests import hub_standins as standins
 
     cls_name, _, _, scheduler, config, quick_config, _, _ = gpu.MODELS[kind]
     config = quick_config if quick else config
     transformer = gpu.build_transformer(cls_name, config, device, dtype)
-    vae_config = dict(memory.VAE_16CH, block_out_channels=(8, 16, 16, 32), layers_per_block=1, norm_num_groups=8) \
-        if quick else memory.VAE_16CH
-    with torch.device(device):
-        vae = AutoencoderKL(**vae_config, scaling_factor=memory.VAE_FACTORS[kind][0],
-                            shift_factor=memory.VAE_FACTORS[kind][1]).to(dtype).eval()
+    vae = gpu.build_vae(kind, quick, device, dtype)
     clip_widths, t5_width = text_widths(kind, config)
     clips = [standins.clip_text_encoder(0, f"{kind}/clip{i}", w, kind == "sd3") for i, w in enumerate(clip_widths)]
     t5_tokenizer = standins.t5_tokenizer()

@@ -16,7 +16,8 @@ CLIP models without downloading anything.
 Registry names and their scale on a base model (SD3.5-M / FLUX.1-dev), so that weights can be chosen:
 pickscore ~0.22, clipscore ~0.3, hpsv2 ~0.28, aesthetic ~5.5, imagereward ~1.0, ocr ~0.6, jpeg ~-0.2,
 geneval (0 or 1 per image) ~0.63 and geneval_partial in [0, 1] on SD3.5-M (geneval_partial_jpeg: the same on
-quality-75 JPEGs of the images, as Flow-GRPO's server scores them); on the pretrained digits model:
+quality-75 JPEGs of the images, as Flow-GRPO's server scores them), unifiedreward in [0.2, 1] (a served judge:
+unifiedreward@http://host:port/v1); on the pretrained digits model:
 digit in [0, 1] ~0.33, digit_correct and digit_knn 0 or 1 per image.
 Optional package: ocr needs `pip install rapidocr-onnxruntime`; a missing one raises RewardError naming it.
 imagereward needs no package of its own: it runs ImageReward's checkpoint on transformers' BLIP (load_imagereward).
@@ -1042,16 +1043,10 @@ def load_ocr(device, dtype=None):
 
 
 def http_reward(url, timeout=120.0, retries=3, backoff=2.0):
-    """A reward served over HTTP (GenEval, UnifiedReward, anything you serve). Protocol, JSON only:
+    """A reward served over HTTP (GenEval, anything you serve). Protocol, JSON only:
     POST {"prompts": [...], "metadata": [...], "images": ["<base64 PNG>", ...]} -> {"rewards": [float, ...]}.
-    A request that fails or times out is retried `retries` times, waiting backoff, 2 backoff, 4 backoff
-    seconds; then RewardError names the server. Nothing is ever unpickled from the network.
-    """
+    Failures are retried and named as post_json says."""
     import base64
-    import json
-    import time
-    import urllib.error
-    import urllib.request
 
     def fn(images, prompts, metadata=None):
         encoded = []
@@ -1059,27 +1054,159 @@ def http_reward(url, timeout=120.0, retries=3, backoff=2.0):
             buf = io.BytesIO()
             im.save(buf, format="PNG")
             encoded.append(base64.b64encode(buf.getvalue()).decode("ascii"))
-        body = json.dumps({"prompts": list(prompts), "metadata": metadata or [{} for _ in prompts],
-                           "images": encoded}).encode()
-        error = None
-        for attempt in range(retries + 1):
-            if attempt:
-                time.sleep(backoff * 2 ** (attempt - 1))
-            try:
-                request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=timeout) as response:
-                    answer = response.read()
-            except (OSError, urllib.error.URLError) as e:  # refused, timed out, HTTP 5xx, ...
-                error = f"{type(e).__name__}: {e}"
-                continue
-            try:
-                rewards = json.loads(answer)["rewards"]
-                return torch.tensor([float(x) for x in rewards], dtype=torch.float32)
-            except (ValueError, KeyError, TypeError):
-                raise RewardError(f"reward server {url} answered something that is not "
-                                  f'{{"rewards": [float, ...]}}: {answer[:120]!r}') from None
-        raise RewardError(f"reward server {url} failed {retries + 1} times ({error})")
+        body = {"prompts": list(prompts), "metadata": metadata or [{} for _ in prompts], "images": encoded}
+        answer = post_json(url, body, "reward server", timeout, retries, backoff)
+        try:
+            return torch.tensor([float(x) for x in answer["rewards"]], dtype=torch.float32)
+        except (KeyError, TypeError, ValueError):
+            raise RewardError(f"reward server {url} answered something that is not "
+                              f'{{"rewards": [float, ...]}}: {str(answer)[:120]}') from None
 
+    return fn
+
+
+# UnifiedReward (CodeGoat24/UnifiedReward), a VLM judge, as the peers query it: one chat request per image on any
+# OpenAI-compatible server (vLLM, SGLang, `transformers serve`). The instructions are the ones its checkpoints were
+# trained with, verbatim, as data: Flow-GRPO's and DiffusionNFT's client (rewards.py, unifiedreward_score_sglang) for
+# the LLaVA-based judges, UnifiedReward's own inference script for its Qwen-VL ones. The image travels as a content
+# part, so the server's chat template places its image tokens (Flow-GRPO's SGLang client also writes a literal
+# "<image>\n" at the start of the text, which a server that expands "<image>" itself would count twice).
+UNIFIEDREWARD_CRITERIA = (
+    "You are given a text caption and a generated image based on that caption. Your task is to evaluate this image "
+    "based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with the provided "
+    "caption. Consider the accuracy of depicted objects, their relationships, and attributes as described in the "
+    "caption.\n2. Overall Image Quality: Examine the visual quality of this image, including clarity, detail "
+    "preservation, color accuracy, and overall aesthetic appeal.\n")
+UNIFIEDREWARD_ASK = {
+    "llava": "Based on the above criteria, assign a score from 1 to 5 after 'Final Score:'.\n",
+    "qwen": "Extract key elements from the provided text caption, evaluate their presence in the generated image "
+            "using the format: 'element (type): value' (where value=0 means not generated, and value=1 means "
+            "generated), and assign a score from 1 to 5 after 'Final Score:'.\n"}
+UNIFIEDREWARD_SCORE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")   # the peers' pattern; 1-5, divided by 5
+UNIFIEDREWARD_SIDE = 512          # the peers resize every image to 512 x 512 before encoding it
+UNIFIEDREWARD_OPTIONS = {"model": str, "max_tokens": int, "concurrency": int, "timeout": float, "retries": int}
+
+
+def unifiedreward_instruction(prompt, model):
+    """The judge's instruction for `prompt`: the Qwen-VL judges' wording for a model id naming qwen, else the
+    LLaVA judges' (UnifiedReward-7b-v1.5, which the peers serve with SGLang)."""
+    ask = UNIFIEDREWARD_ASK["qwen" if "qwen" in model.lower() else "llava"]
+    return f"{UNIFIEDREWARD_CRITERIA}{ask}Your task is provided as follows:\nText Caption: [{prompt}]"
+
+
+def unifiedreward_score(answer):
+    """The judge's answer -> its 'Final Score' / 5 in [0.2, 1], or None when the answer has none (the peers then
+    score the image 0)."""
+    match = UNIFIEDREWARD_SCORE.search(answer or "")
+    return float(match.group(1)) / 5 if match else None
+
+
+def parse_unifiedreward_spec(spec):
+    """'unifiedreward@http://host:8000/v1?model=ID&max_tokens=512' -> (base URL, {option: value}). The URL is the
+    API's base, as an OpenAI client's base_url (vLLM and SGLang: http://host:port/v1)."""
+    import urllib.parse
+
+    url = spec.split("@", 1)[1]
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{spec}: expected unifiedreward@http(s)://host:port/v1[?model=ID]")
+    options = {}
+    for key, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+        if key not in UNIFIEDREWARD_OPTIONS:
+            raise ValueError(f"{spec}: unknown option '{key}'; valid: {', '.join(UNIFIEDREWARD_OPTIONS)}")
+        try:
+            options[key] = UNIFIEDREWARD_OPTIONS[key](value)
+        except ValueError:
+            raise ValueError(f"{spec}: {key}={value!r} is not a {UNIFIEDREWARD_OPTIONS[key].__name__}") from None
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", "")), options
+
+
+def post_json(url, body, what, timeout=120.0, retries=3, backoff=2.0):
+    """POST a JSON body (GET without one) -> the decoded JSON answer. Refusals, time-outs and 5xx / 429 answers are
+    retried `retries` times after backoff, 2 backoff, 4 backoff ... seconds; another 4xx (a wrong model name, an
+    unknown field) and an answer that is not JSON are final. The RewardError names `what`, the URL and the server's
+    own words. Nothing is ever unpickled from the network."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get("OPENAI_API_KEY"):       # an OpenAI-compatible server started with --api-key
+        headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
+    data, error, answer = None if body is None else json.dumps(body).encode(), None, None
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff * 2 ** (attempt - 1))
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers),
+                                        timeout=timeout) as response:
+                answer = response.read()
+                break
+        except urllib.error.HTTPError as e:
+            error = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
+            if e.code < 500 and e.code != 429:
+                raise RewardError(f"{what} {url} refused the request ({error})") from None
+        except OSError as e:                      # refused, timed out, reset
+            error = f"{type(e).__name__}: {e}"
+    if answer is None:
+        raise RewardError(f"{what} {url} failed {retries + 1} times ({error})")
+    try:
+        return json.loads(answer)
+    except ValueError:
+        raise RewardError(f"{what} {url} answered something that is not JSON: {answer[:120]!r}") from None
+
+
+def served_model(base, timeout=30.0, retries=3, backoff=2.0):
+    """The one model an OpenAI-compatible server lists at /models (vLLM, SGLang and `transformers serve` with a model
+    named at launch serve one)."""
+    answer = post_json(f"{base}/models", None, "unifiedreward server", timeout, retries, backoff)
+    listed = [m["id"] for m in answer.get("data", [])] if isinstance(answer, dict) else []
+    if len(listed) != 1:
+        raise RewardError(f"unifiedreward: {base}/models lists {len(listed)} models ({', '.join(listed[:5])}); name "
+                          "one with ?model=ID")
+    return listed[0]
+
+
+def unifiedreward_reward(base, model=None, max_tokens=512, concurrency=16, timeout=300.0, retries=3, backoff=2.0):
+    """UnifiedReward on an OpenAI-compatible server at `base` (..../v1): one chat request per image, `concurrency`
+    at a time, greedy (temperature 0); reward = the answer's Final Score / 5, or 0 where it has none, as the peers
+    score it. fn.last_counts["unparsed"] is the share of the last batch's answers without a score (logged as
+    reward_unifiedreward_unparsed); the first such answer is printed once."""
+    import base64
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = model or served_model(base, retries=retries, backoff=backoff)
+    warned = []
+
+    def ask(image, prompt):
+        buf = io.BytesIO()
+        image.resize((UNIFIEDREWARD_SIDE, UNIFIEDREWARD_SIDE)).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+        content = [{"type": "image_url", "image_url": {"url": url}},
+                   {"type": "text", "text": unifiedreward_instruction(prompt, model)}]
+        body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0,
+                "max_tokens": max_tokens}
+        answer = post_json(f"{base}/chat/completions", body, "unifiedreward server", timeout, retries, backoff)
+        try:
+            return answer["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            raise RewardError(f"unifiedreward at {base} answered no chat completion: {str(answer)[:200]}") from None
+
+    def fn(images, prompts):
+        with ThreadPoolExecutor(max(1, min(concurrency, len(prompts)))) as pool:
+            answers = list(pool.map(ask, to_uint8_images(images), prompts))
+        scores = [unifiedreward_score(a) for a in answers]
+        missing = [a for a, s in zip(answers, scores) if s is None]
+        if missing and not warned:
+            warned.append(True)
+            print(f"vgrpo: unifiedreward ({model}): an answer without 'Final Score: 1-5', scored 0 (the share is "
+                  f"logged as reward_unifiedreward_unparsed): {str(missing[0])[:120]!r}", file=sys.stderr, flush=True)
+        fn.last_counts = {"unparsed": len(missing) / max(1, len(answers))}
+        return torch.tensor([0.0 if s is None else s for s in scores], dtype=torch.float32)
+
+    fn.last_counts = {}
     return fn
 
 
@@ -1107,10 +1234,10 @@ REWARDS = {"jpeg": load_jpeg, "pickscore": load_pickscore, "clipscore": load_cli
 
 def _split_weight(item):
     """'name:w' -> ('name', 'w'). URLs keep their port: a trailing ':w' is a weight only after a path."""
-    if item.startswith(("http://", "https://")):
+    if item.startswith(("http://", "https://", "unifiedreward@")):
         head, _, tail = item.rpartition(":")
-        after_scheme = head.split("://", 1)[1]
-        return (head, tail) if "/" in after_scheme and not tail.startswith("//") else (item, "")
+        after_scheme = head.split("://", 1)[-1]
+        return (head, tail) if "://" in head and "/" in after_scheme and not tail.startswith("//") else (item, "")
     if ".py:" in item:
         path, _, rest = item.partition(".py:")
         fn, _, weight = rest.partition(":")
@@ -1121,16 +1248,19 @@ def _split_weight(item):
 
 def parse_reward_spec(spec):
     """'pickscore:1,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; ValueError if malformed.
-    Besides registry names: http(s)://host:port/path[:w] (a reward server) and file.py:function[:w]."""
+    Besides registry names: unifiedreward@http(s)://host:port/v1[?model=ID][:w] (UnifiedReward on an OpenAI-compatible
+    server), http(s)://host:port/path[:w] (a reward server of this JSON protocol) and file.py:function[:w]."""
     parts = []
     for item in spec.split(","):
         name, weight = _split_weight(item.strip())
         if ".py:" in name:
             if not os.path.isfile(name.partition(".py:")[0] + ".py"):
                 raise ValueError(f"reward file not found: {name.partition('.py:')[0]}.py")
+        elif name.startswith("unifiedreward@"):
+            parse_unifiedreward_spec(name)
         elif not name.startswith(("http://", "https://")) and name not in REWARDS:
             raise ValueError(f"unknown reward '{name}' in --reward {spec!r}; valid names: {', '.join(REWARDS)}, "
-                             "http(s)://host:port/path or file.py:function")
+                             "unifiedreward@http(s)://host:port/v1, http(s)://host:port/path or file.py:function")
         try:
             w = float(weight) if weight else 1.0
         except ValueError:
@@ -1143,8 +1273,10 @@ def parse_reward_spec(spec):
 
 def metric_name(reward_name):
     """A reward's name as a metric / CSV column: 'pickscore', 'my_rewards.py:colour' -> 'colour',
-    'http://host:8000/geneval' -> 'geneval' (the host when there is no path)."""
-    if ".py:" in reward_name:
+    'http://host:8000/geneval' -> 'geneval' (the host when there is no path), 'unifiedreward@...' -> 'unifiedreward'."""
+    if reward_name.startswith("unifiedreward@"):
+        reward_name = "unifiedreward"
+    elif ".py:" in reward_name:
         reward_name = reward_name.rpartition(":")[2]
     elif "://" in reward_name:
         rest = reward_name.split("://", 1)[1]
@@ -1179,14 +1311,15 @@ def as_rewards(value, name, n):
 
 class WeightedReward:
     """Sum of weighted rewards, checked at the boundary: each part must return B numbers (as_rewards), else
-    RewardError names it. `last_parts` keeps each component of the last call for logging;
+    RewardError names it. `last_parts` keeps each component of the last call for logging, `last_counts` what
+    the parts counted (UnifiedReward's share of answers without a score, as 'unifiedreward_unparsed');
     `nonfinite` names the parts whose last values were NaN or Inf (the trainer then skips the update).
     `metadata`, a list of B dicts or None, reaches only the parts whose signature accepts it."""
 
     def __init__(self, parts):
         self.parts = parts  # list of (name, weight, fn)
         self.takes_metadata = {name: accepts_metadata(fn) for name, _, fn in parts}
-        self.last_parts, self.nonfinite = {}, []
+        self.last_parts, self.last_counts, self.nonfinite = {}, {}, []
 
     def __call__(self, images, prompts, metadata=None):
         if metadata is not None and len(metadata) != len(images):
@@ -1199,11 +1332,15 @@ class WeightedReward:
             if not torch.isfinite(r).all():
                 self.nonfinite.append(name)
             self.last_parts[name] = r
+            self.last_counts.update({f"{metric_name(name)}_{k}": v for k, v in getattr(fn, "last_counts", {}).items()})
             total += weight * r
         return total
 
 
 def _load_one(name, device, dtype):
+    if name.startswith("unifiedreward@"):
+        base, options = parse_unifiedreward_spec(name)
+        return unifiedreward_reward(base, **options)
     if name.startswith(("http://", "https://")):
         return http_reward(name)
     if ".py:" in name:

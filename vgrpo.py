@@ -88,9 +88,9 @@ class Args:
                                "digits/), sd3 (SD3.5-Medium), flux (FLUX.1-dev), tiny / tiny-flux (random, built in "
                                "code, for tests), or any SD3 / FLUX pipeline id or folder")
     reward: str = arg(None, "reward spec name[:weight],...: pickscore, clipscore, hpsv2, imagereward, aesthetic, "
-                            "ocr, geneval, geneval_partial(_jpeg), digit, digit_correct, digit_knn, jpeg, "
-                            "http://host:port/path, file.py:function (default: pickscore for SD3, hpsv2 for FLUX, "
-                            "digit for the digits model, jpeg:100 for the tiny models)")
+                            "ocr, geneval, geneval_partial(_jpeg), digit(_correct, _knn), jpeg, unifiedreward@"
+                            "http://host:port/v1 (a served judge), http://host:port/path, file.py:function (default: "
+                            "pickscore for SD3, hpsv2 for FLUX, digit for digits, jpeg:100 for the tiny models)")
     reward_advantage: str = arg("sum", "several rewards: sum (advantage of the weighted sum) or per-reward (sum of "
                                        "each reward's group advantage, as MixGRPO)")
     prompts: str = arg(None, ".txt (one prompt per line) or .jsonl ({\"prompt\": ..., metadata for the reward}); "
@@ -928,7 +928,7 @@ PRESETS = {
     # text rendering, the last stage: its prompts quote the text; the KL term keeps earlier skills (the paper's 0.3)
     "sd3-ocr": dict(model="sd3", reward="ocr", prompts="prompts/ocr_train.txt", n_mc=10, iterations=30,
                     adv_soft_clip=0.0, beta=0.3),
-    # the paper adds UnifiedReward, served over HTTP: append ,http://host:port/path to --reward
+    # the paper adds UnifiedReward, a VLM judge on a server: append ,unifiedreward@http://host:port/v1 to --reward
     "flux-preference": dict(model="flux", reward="hpsv2:1,pickscore:1,imagereward:1"),
 }
 # The paper's SD3.5-M curriculum as one launch: its stages (a preset each) and their lengths, 580 iterations in all.
@@ -1918,10 +1918,12 @@ def any_nonfinite(run, it, r, A):
 
 
 def reward_metrics(run):
-    """Each reward's batch mean when there are several, and fp16's loss scale."""
+    """Each reward's batch mean when there are several, what the rewards counted (UnifiedReward's answers without a
+    score), and fp16's loss scale."""
     fn, out = run.reward_fn, {}
     if len(fn.parts) > 1:
         out = {f"reward_{rewards_lib.metric_name(k)}": v.mean().item() for k, v in fn.last_parts.items()}
+    out.update({f"reward_{k}": v for k, v in fn.last_counts.items()})
     if run.scaler:
         out["loss_scale"] = run.scaler.get_scale()
     return out

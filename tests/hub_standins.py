@@ -118,6 +118,55 @@ def vae_8x(seed, name, scaling_factor, shift_factor):
             shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False).eval()
 
 
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                "<|video_pad|>"]
+# Qwen's chat format (<|im_start|>role ... <|im_end|>), an image part as `image_tokens`; written here, not copied
+QWEN_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+             "{% else %}{% for c in m['content'] %}{% if c['type'] in ('image', 'image_url') %}IMAGE{% elif c['type'] "
+             "== 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen_tokenizer(extra=()):
+    """Qwen2's byte-level BPE tokenizer (Qwen2.5-VL, Qwen3) over the 256 byte symbols without merges (the real
+    151k-entry vocabulary cannot be downloaded), with Qwen's special tokens after them; eos <|im_end|>."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {symbol: i for i, symbol in enumerate(bytes_to_unicode().values())}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|im_end|>",
+                               pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL + list(extra)})
+    return tokenizer
+
+
+def build_llava_judge(directory, seed):
+    """A VLM judge for the unifiedreward tests, served by `transformers serve`: LLaVA (a CLIP ViT, a projector, a
+    Qwen2 language model) as UnifiedReward-7b-v1.5 is (LLaVA-OneVision on Qwen2), 32 wide, one layer each, 112 px
+    images in 14 px patches. Its processor needs no torchvision: Qwen2.5-VL's processor requires it (its video
+    processor), and torchvision's only wheel that the registry here offers is a CUDA build that does not load
+    beside the CPU build of torch."""
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor, Qwen2Config)
+
+    tokenizer = qwen_tokenizer(extra=["<image>"])
+    end, image = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<image>"])
+    text = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=end,
+                       pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=112, patch_size=14, projection_dim=32)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=image,
+                         vision_feature_select_strategy="default", vision_feature_layer=-1)
+    with seeded(seed, "llava_judge"):
+        LlavaForConditionalGeneration(config).eval().save_pretrained(directory)
+    processor = CLIPImageProcessor(size={"shortest_edge": 112}, crop_size={"height": 112, "width": 112},
+                                   image_mean=CLIP_MEAN, image_std=CLIP_STD)
+    LlavaProcessor(image_processor=processor, tokenizer=tokenizer, patch_size=14, num_additional_image_tokens=1,
+                   vision_feature_select_strategy="default",
+                   chat_template=QWEN_CHAT.replace("IMAGE", "<image>\n")).save_pretrained(directory)
+
+
 def clip_model(seed, name, config):
     from transformers import CLIPModel
 

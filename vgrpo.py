@@ -85,8 +85,8 @@ class Args:
     stage_prompts: str = arg("", "with --curriculum, other prompt files for some stages: PRESET=FILE,... (e.g. "
                                  "sd3-geneval=geneval.jsonl)")
     model: str = arg("digits", "digits (the CPU demo: a tiny SD3 pretrained on handwritten digits, shipped in "
-                               "digits/), sd3 (SD3.5-Medium), flux (FLUX.1-dev), tiny / tiny-flux (random, built in "
-                               "code, for tests), or any SD3 / FLUX pipeline id or folder")
+                               "digits/), sd3 (SD3.5-Medium), flux (FLUX.1-dev), qwen-image, flux2-klein (FLUX.2 "
+                               "[klein] base 4B), tiny / tiny-flux (random, for tests), or a pipeline id or folder")
     reward: str = arg(None, "reward spec name[:weight],...: pickscore, clipscore, hpsv2, imagereward, aesthetic, "
                             "ocr, geneval, geneval_partial(_jpeg), digit(_correct, _knn), jpeg, unifiedreward@"
                             "http://host:port/v1 (a served judge), http://host:port/path, file.py:function (default: "
@@ -134,8 +134,8 @@ class Args:
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     ema: float = arg(0.0, "decay of an EMA of the trained weights, updated after every optimizer step, used by the "
                           "held-out evaluation and saved beside them (0: off, as the paper; e.g. 0.99)")
-    lora_rank: int = arg(32, "LoRA rank (ignored with --full-finetune)")
-    lora_alpha: float = arg(64.0, "LoRA alpha")
+    lora_rank: int = arg(None, "LoRA rank, ignored with --full-finetune (default 32; 64 Qwen-Image, FLUX.2 [klein])")
+    lora_alpha: float = arg(None, "LoRA alpha (default: twice the rank)")
     full_finetune: bool = arg(None, "train every transformer weight instead of LoRA (default: on for the tiny models "
                                     "only)")
     fsdp: bool = arg(False, "shard weights, gradients and AdamW states over the processes with FSDP2 (each block, then "
@@ -183,10 +183,12 @@ class Args:
 # value, and marks what no public source settles). SD3.5-M: one stage of its curriculum, 48 prompts x 24 images,
 # 40-step DPM-Solver++ without CFG, one optimizer step per iteration with the advantage soft clip. FLUX.1-dev: 16-step
 # DPM-Solver++, several clipped steps per iteration; 12 images per prompt at 720 px (MixGRPO's setting on the same
-# benchmark). digits (the CPU demo): the pretrained miniature of digits/, LoRA on a verifiable reward with a held-out
-# evaluation. The tiny random models are fully fine-tuned at 2e-3: LoRA on their few weights learns far less in minutes.
+# benchmark). Qwen-Image, FLUX.2 [klein] base: Flow-GRPO's, Flow-Factory's PickScore recipes. digits (the CPU demo): the
+# pretrained miniature of digits/, LoRA on a verifiable reward with a held-out evaluation. The tiny random models are
+# fully fine-tuned at 2e-3: LoRA on their few weights learns far less in minutes.
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_IDS = {"sd3": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev",
+             "qwen-image": "Qwen/Qwen-Image", "flux2-klein": "black-forest-labs/FLUX.2-klein-base-4B",
              "digits": os.path.join(HERE, "digits", "pipeline")}
 _NO_EVAL = dict(eval_prompts="", eval_every=0, eval_rewards="", eval_images=2)
 _REAL = dict(_NO_EVAL, mixed_precision="bf16", gradient_checkpointing=True, full_finetune=False, save_every=25)
@@ -197,6 +199,12 @@ RECIPES = {
     "flux": dict(_REAL, reward="hpsv2", resolution=720, sample_steps=16, guidance=3.5, iterations=300,
                  prompts_per_step=32, group_size=12, inner_steps=4, adv_soft_clip=0.0, sample_batch=12,
                  decode_batch=2),
+    "qwen-image": dict(_REAL, reward="pickscore", resolution=512, sample_steps=10, guidance=4.0, iterations=300,
+                       prompts_per_step=32, group_size=16, inner_steps=2, adv_soft_clip=0.0, sample_batch=16,
+                       decode_batch=4, max_sequence_length=256, lora_rank=64),
+    "flux2-klein": dict(_REAL, reward="pickscore", resolution=384, sample_steps=8, guidance=4.0, iterations=300,
+                        prompts_per_step=48, group_size=16, inner_steps=2, adv_soft_clip=0.0, sample_batch=16,
+                        decode_batch=4, max_sequence_length=512, lora_rank=64),
     "digits": dict(reward="digit", prompts="prompts/digits_train.jsonl", eval_prompts="prompts/digits_eval.jsonl",
                    eval_every=20, eval_rewards="digit_correct,digit_knn,digit", eval_images=8, resolution=16,
                    sample_steps=12, guidance=1.0, iterations=80, prompts_per_step=4, group_size=8, inner_steps=1,
@@ -492,7 +500,7 @@ def rollout(family, model, cond, noise, sigmas, args, negative=None):
             if not cfg:
                 return family.velocity(model, x, sigma, c)
             v_uncond, v_cond = family.velocity(model, torch.cat([x, x]), sigma, c).chunk(2)
-            return v_uncond + args.guidance * (v_cond - v_uncond)
+            return family.guide(v_uncond, v_cond, args.guidance)
 
         out.append(sample_ode(velocity, noise[rows], sigmas, args.sampler))
     return torch.cat(out)
@@ -699,6 +707,8 @@ def resolve_defaults(args, world_size):
         args.prompts = project_file(TRAIN_PROMPTS)
     if args.lr is None:
         args.lr = 2e-3 if is_tiny(args.model) else 1e-5 if args.full_finetune else 3e-4
+    args.lora_rank = 32 if args.lora_rank is None else args.lora_rank
+    args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
         args.micro_batch = math.gcd(local_minibatch(args, world_size), 16 if is_tiny(args.model) else 4)
     if args.resume == "auto":
@@ -1067,6 +1077,7 @@ class Family:
     in the pipeline's own format."""
 
     cfg = True  # does --guidance mean classifier-free guidance (two passes)? FLUX feeds it to an embedding
+    negative_prompt = ""  # CFG's unconditional prompt
     compiled = False  # --compile: the blocks run torch.compile'd (compile_blocks)
     cache_bytes = 2 << 30  # on-demand embeddings kept per prompt (FLUX's 512 T5 tokens: 4 MB each in bf16)
     store_bytes = 8 << 30  # host memory for the embeddings of every prompt, encoded at start (SD3: 2.7 MB each)
@@ -1167,13 +1178,28 @@ class Family:
         scheduler = copy.deepcopy(self.pipe.scheduler)
         kwargs = {"sigmas": sigmas} if sigmas is not None else {}
         if scheduler.config.get("use_dynamic_shifting", False):  # resolution-dependent shift (FLUX, SD3.5 opt.)
-            from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-            c = scheduler.config
-            kwargs["mu"] = calculate_shift(self.image_tokens, c.get("base_image_seq_len", 256),
-                                           c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                                           c.get("max_shift", 1.15))
+            kwargs["mu"] = self.shift_mu(steps)
         scheduler.set_timesteps(None if sigmas is not None else steps, device="cpu", **kwargs)
         return scheduler.sigmas.float()
+
+    def sigma_grid(self, steps):
+        """linspace(1, 1/S, S) through the pipeline's scheduler and its shift, as FLUX.1's, FLUX.2's and Qwen-Image's
+        pipelines sample (SD3's lets the scheduler choose)."""
+        import numpy as np
+
+        return self.scheduler_grid(steps, sigmas=np.linspace(1.0, 1 / steps, steps))
+
+    def shift_mu(self, steps):
+        """The dynamic shift's mu as FLUX.1's and Qwen-Image's pipelines compute it: linear in the image tokens."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        c = self.pipe.scheduler.config
+        return calculate_shift(self.image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                               c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+
+    def guide(self, v_uncond, v_cond, scale):
+        """Classifier-free guidance of two velocities (the rollout's, with --guidance > 1 where cfg is True)."""
+        return v_uncond + scale * (v_cond - v_uncond)
 
     def vae_decode(self, latents):
         vae = self.pipe.vae
@@ -1247,11 +1273,6 @@ class FluxFamily(Family):
         self.img_ids = pipe._prepare_latent_image_ids(1, self.side // 2, self.side // 2, device, torch.float32)
         self.guidance = guidance if pipe.transformer.config.guidance_embeds else None
 
-    def sigma_grid(self, steps):
-        import numpy as np
-
-        return self.scheduler_grid(steps, sigmas=np.linspace(1.0, 1 / steps, steps))
-
     def encode_texts(self, prompts):
         emb, pooled, _ = self.pipe.encode_prompt(prompts, None, device=self.device, num_images_per_prompt=1,
                                                  max_sequence_length=self.max_sequence_length)
@@ -1274,17 +1295,150 @@ class FluxFamily(Family):
         return self.vae_decode(self.pipe._unpack_latents(o, side, side, scale))
 
 
+class QwenImageFamily(Family):
+    """Qwen-Image (Qwen/Qwen-Image: a 20B MMDiT reading Qwen2.5-VL's last hidden states). Latents are 2x2-packed tokens
+    as FLUX.1's, (h/2 * w/2, 4C), over a video VAE's single frame normalised by per-channel means and stds. Guidance is
+    true CFG with a " " negative prompt, rescaled to the conditional velocity's norm per token, as its pipeline does.
+    Prompt embeddings vary in length: each is padded to max_sequence_length with its mask, so rows stack."""
+
+    cfg, negative_prompt = True, " "
+
+    def blocks(self):
+        return list(self.transformer.transformer_blocks)
+
+    @property
+    def lora_targets(self):
+        """The joint attention of both streams and both feed-forwards, as Flow-GRPO's Qwen-Image LoRA (not the
+        modulations), except the last block's text-stream output (to_add_out, txt_mlp), which feeds nothing: DDP
+        requires a gradient for every trained weight."""
+        last = len(self.transformer.transformer_blocks) - 1
+        return (r"(.*\.)?transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj)"
+                r"|img_mlp\.net\.(0\.proj|2))"
+                rf"|(.*\.)?transformer_blocks\.(?!{last}\.)\d+\.(attn\.to_add_out|txt_mlp\.net\.(0\.proj|2))")
+
+    def __init__(self, pipe, resolution, max_sequence_length, device, **kw):
+        Family.__init__(self, pipe, resolution, max_sequence_length, device, **kw)
+        self.side = 2 * (resolution // (pipe.vae_scale_factor * 2))
+        self.latent_shape = ((self.side // 2) ** 2, pipe.transformer.config.in_channels)
+        self.image_tokens = self.latent_shape[0]
+
+    def encode_texts(self, prompts):
+        emb, mask = self.pipe.encode_prompt(prompts, device=self.device, max_sequence_length=self.max_sequence_length)
+        mask = torch.ones(emb.shape[:2], dtype=torch.long, device=emb.device) if mask is None else mask
+        pad = self.max_sequence_length - emb.shape[1]
+        return torch.nn.functional.pad(emb, (0, 0, 0, pad)), torch.nn.functional.pad(mask, (0, pad))
+
+    def velocity(self, model, x, sigma, cond):
+        emb, mask = cond
+        t = (sigma * 1000).to(x.device).expand(x.shape[0]).to(x.dtype) / 1000
+        shapes = [[(1, self.side // 2, self.side // 2)]] * x.shape[0]    # one frame of h/2 x w/2 tokens per row
+        with self.autocast():
+            v = model(hidden_states=x, timestep=t, encoder_hidden_states=emb.to(x.dtype),
+                      encoder_hidden_states_mask=mask, img_shapes=shapes, return_dict=False)[0]
+        return v.float() if self.amp_dtype else v
+
+    def guide(self, v_uncond, v_cond, scale):
+        v = super().guide(v_uncond, v_cond, scale)
+        return v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
+
+    @torch.no_grad()
+    def decode(self, o):
+        vae, shape = self.pipe.vae, (1, self.pipe.vae.config.z_dim, 1, 1, 1)
+        latents = self.pipe._unpack_latents(o, self.resolution, self.resolution, self.pipe.vae_scale_factor)
+        latents = latents * torch.tensor(vae.config.latents_std, device=o.device).view(shape) + \
+            torch.tensor(vae.config.latents_mean, device=o.device).view(shape)
+        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0][:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+class Flux2KleinFamily(Family):
+    """FLUX.2 [klein] (black-forest-labs/FLUX.2-klein-base-4B / -9B, and the 4-step distilled FLUX.2-klein-4B / -9B):
+    FLUX.2's double- and single-stream blocks reading three stacked hidden layers of Qwen3, 4D rotary positions
+    (t, h, w, l), and FLUX.2's VAE, whose 2x2-patchified latents are normalised by its batch norm's running statistics.
+    The base models take true CFG (two passes, --guidance); the distilled ones no guidance at all. Its schedule's shift
+    mu is an empirical function of the image tokens and the number of steps."""
+
+    negative_prompt = ""
+
+    def blocks(self):
+        return [*self.transformer.transformer_blocks, *self.transformer.single_transformer_blocks]
+
+    # attention and feed-forwards of the double blocks, the single blocks' fused QKV+MLP input and output (a plain
+    # Linear there, where the double blocks' to_out is a list holding one)
+    lora_targets = (r"(.*\.)?transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|"
+                    r"add_v_proj|to_add_out)|ff(_context)?\.(linear_in|linear_out))"
+                    r"|(.*\.)?single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")
+
+    def __init__(self, pipe, resolution, max_sequence_length, device, **kw):
+        Family.__init__(self, pipe, resolution, max_sequence_length, device, **kw)
+        self.cfg = not pipe.config.is_distilled
+        self.side = 2 * (resolution // (pipe.vae_scale_factor * 2))
+        self.latent_shape = ((self.side // 2) ** 2, pipe.transformer.config.in_channels)
+        self.image_tokens = self.latent_shape[0]
+        grid = torch.zeros(1, self.latent_shape[1], self.side // 2, self.side // 2)
+        self.img_ids = pipe._prepare_latent_ids(grid)[0].to(device)              # (tokens, 4): (0, row, column, 0)
+
+    def sigma_grid(self, steps):
+        if self.pipe.scheduler.config.get("use_flow_sigmas", False):  # its pipeline then leaves the grid to them
+            return self.scheduler_grid(steps)
+        return super().sigma_grid(steps)
+
+    def shift_mu(self, steps):
+        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+        return compute_empirical_mu(self.image_tokens, steps)
+
+    def encode_texts(self, prompts):
+        emb, _ = self.pipe.encode_prompt(prompts, device=self.device, max_sequence_length=self.max_sequence_length)
+        return (emb,)
+
+    def velocity(self, model, x, sigma, cond):
+        emb, = cond
+        t = (sigma * 1000).to(x.device).expand(x.shape[0]).to(x.dtype) / 1000
+        txt_ids = self.pipe._prepare_text_ids(emb[:1])[0].to(x.device)          # (tokens, 4): (0, 0, 0, index)
+        with self.autocast():
+            v = model(hidden_states=x, timestep=t, guidance=None, encoder_hidden_states=emb.to(x.dtype),
+                      txt_ids=txt_ids, img_ids=self.img_ids, return_dict=False)[0]
+        return v.float() if self.amp_dtype else v
+
+    @torch.no_grad()
+    def decode(self, o):
+        pipe, half = self.pipe, self.side // 2
+        latents = o.transpose(1, 2).reshape(len(o), -1, half, half)             # tokens -> (4C, h/2, w/2)
+        bn = pipe.vae.bn
+        latents = latents * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps) + \
+            bn.running_mean.view(1, -1, 1, 1)
+        latents = pipe._unpatchify_latents(latents)
+        image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+# kind -> (diffusers pipeline class, Family); a pipeline folder's model_index.json names its class
+PIPELINES = {"sd3": ("StableDiffusion3Pipeline", SD3Family), "flux": ("FluxPipeline", FluxFamily),
+             "qwen-image": ("QwenImagePipeline", QwenImageFamily),
+             "flux2-klein": ("Flux2KleinPipeline", Flux2KleinFamily)}
+
+
 def model_kind(model):
-    """'sd3' or 'flux' for a --model value (a local folder says in its model_index.json)."""
-    if model in ("sd3", "flux"):
+    """'sd3', 'flux', 'qwen-image' or 'flux2-klein' for a --model value: the class in its model_index.json (a local
+    folder's or the Hugging Face cache's copy), else a guess from the name."""
+    if model in PIPELINES:
         return model
     if is_tiny(model):
         return "flux" if model == "tiny-flux" else "sd3"
-    index = os.path.join(MODEL_IDS.get(model, model), "model_index.json")
-    if os.path.isfile(index):
+    name = MODEL_IDS.get(model, model)
+    index = os.path.join(name, "model_index.json")
+    if not os.path.isfile(index) and re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        from huggingface_hub import try_to_load_from_cache
+
+        index = try_to_load_from_cache(name, "model_index.json")
+    if isinstance(index, str) and os.path.isfile(index):
         with open(index) as f:
-            return "flux" if "Flux" in json.load(f).get("_class_name", "") else "sd3"
-    return "flux" if "flux" in model.lower() else "sd3"
+            pipeline = json.load(f).get("_class_name", "")
+        return next((kind for kind, (cls, _) in PIPELINES.items() if cls == pipeline), "sd3")
+    lower = name.lower()
+    return "qwen-image" if "qwen-image" in lower else "flux2-klein" if "flux.2-klein" in lower else \
+        "flux" if "flux" in lower else "sd3"
 
 
 def load_family(args, device):
@@ -1296,7 +1450,7 @@ def load_family(args, device):
         pipe = load_pipeline(MODEL_IDS.get(args.model, args.model), kind, amp or torch.float32)
     # an SD3 without T5 would get max_sequence_length zero tokens in its place: none, unless asked for
     max_len = args.max_sequence_length if args.max_sequence_length is not None else \
-        512 if kind == "flux" else 256 if pipe.text_encoder_3 is not None else 0
+        512 if kind == "flux" else 256 if getattr(pipe, "text_encoder_3", None) is not None else 0
     pipe.set_progress_bar_config(disable=True)
     # full fine-tuning keeps float32 master weights (AdamW on bf16 weights loses small updates); with LoRA
     # the frozen base weights can live in the low-precision dtype and only the adapters stay float32
@@ -1315,15 +1469,15 @@ def load_family(args, device):
         pipe.transformer.enable_gradient_checkpointing()
     kw = dict(amp_dtype=amp, offload_text_encoders=offload)
     if kind == "flux":
-        return FluxFamily(pipe, args.resolution, max_len, device, guidance=args.guidance, **kw)
-    return SD3Family(pipe, args.resolution, max_len, device, **kw)
+        kw["guidance"] = args.guidance
+    return PIPELINES[kind][1](pipe, args.resolution, max_len, device, **kw)
 
 
 def load_pipeline(name, kind, dtype):
-    """A StableDiffusion3Pipeline / FluxPipeline from a folder or the Hugging Face cache, its frozen parts in `dtype`.
+    """The kind's pipeline (PIPELINES) from a folder or the Hugging Face cache, its frozen parts in `dtype`.
     Components the folder's model_index.json lists as absent (an SD3 saved without T5) are passed as None, which
     diffusers requires. What is missing is one line."""
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+    import diffusers
     from huggingface_hub import try_to_load_from_cache
 
     local = os.path.isdir(name)
@@ -1336,8 +1490,7 @@ def load_pipeline(name, kind, dtype):
         with open(index) as f:
             absent = {part: None for part, entry in json.load(f).items() if entry == [None, None]}
     try:
-        return (FluxPipeline if kind == "flux" else StableDiffusion3Pipeline).from_pretrained(name, dtype=dtype,
-                                                                                             **absent)
+        return getattr(diffusers, PIPELINES[kind][0]).from_pretrained(name, dtype=dtype, **absent)
     except (OSError, ValueError) as e:
         if local:
             raise UsageError(f"--model {name}: the pipeline folder is incomplete ({type(e).__name__}: "
@@ -1428,8 +1581,8 @@ def build_run(args, rank, world, device):
         stage.prompts, stage.metadata = load_prompts(stage.args.prompts)
     eval_prompts, eval_metadata = load_prompts(args.eval_prompts) if args.eval_every else (None, None)
     family = load_family(args, device)
-    # every prompt the run will meet, the empty one for CFG too, encoded once (the store is reused on resume)
-    family.encode_all([p for stage in stages for p in stage.prompts] + (eval_prompts or []) + [""],
+    # every prompt the run will meet, CFG's negative one too, encoded once (the store is reused on resume)
+    family.encode_all([p for stage in stages for p in stage.prompts] + (eval_prompts or []) + [family.negative_prompt],
                       os.path.join(args.output_dir, "embeddings.pt"), write=rank == 0)
     try:
         # the reward models in the mixed-precision dtype on a GPU; float32 on the CPU (slow bf16 kernels there).
@@ -1455,7 +1608,7 @@ def build_run(args, rank, world, device):
     # fused on CUDA: one kernel for all parameters instead of a few per tensor (LoRA on SD3.5-M: ~600 tensors)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type) if args.mixed_precision == "fp16" else None
-    negative = family.encode([""]) if family.cfg and args.guidance > 1 else None
+    negative = family.encode([family.negative_prompt]) if family.cfg and args.guidance > 1 else None
     sigmas = family.sigma_grid(args.sample_steps)
     run = Run(args, family, model, optimizer, params, stages[0].reward_fn, stages[0].prompts, stages[0].metadata,
               sigmas, negative, rank, world, device, scaler, eval_prompts, eval_metadata, eval_reward_fn,

@@ -272,6 +272,91 @@ def build_flux(directory, seed):
     pipe.save_pretrained(directory)
 
 
+def qwen25_vl(seed, name, tokenizer, width=32):
+    """Qwen2.5-VL (Qwen-Image's text encoder): a one-layer Qwen2 language model with 3D rotary sections (mrope) and a
+    one-block vision tower, the image and vision tokens at the tokenizer's ids."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = dict(zip(QWEN_SPECIAL, tokenizer.convert_tokens_to_ids(QWEN_SPECIAL)))
+    text = dict(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, bos_token_id=None,
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=width,
+                  fullatt_block_indexes=[0])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"])
+    with seeded(seed, name):
+        return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_qwen_image(directory, seed):
+    """Qwen/Qwen-Image: QwenImageTransformer2DModel (2x2 patches of 16 latent channels -> 64 inputs, 16 out; rotary
+    axes (4, 6, 6) over a head of 16) reading Qwen2.5-VL's 32-wide last hidden states; the video VAE (causal 3D
+    convolutions, 8x down in space) with Qwen-Image's per-channel latent means and stds; its scheduler's exponential
+    dynamic shift (base 0.5, max 0.9 over 256-8192 tokens, shift terminal 0.02)."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+
+    tokenizer = qwen_tokenizer()
+    with seeded(seed, "qwen_image/transformer"):
+        transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
+                                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                                  axes_dims_rope=(4, 6, 6)).eval()
+    with seeded(seed, "qwen_image/vae"):
+        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                     temperal_downsample=[False, True, True]).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                                                time_shift_type="exponential")
+    QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=qwen25_vl(seed, "qwen_image/text_encoder", tokenizer),
+                      tokenizer=tokenizer, transformer=transformer).save_pretrained(directory)
+
+
+def qwen3(seed, name, tokenizer, width=16, layers=28):
+    """Qwen3 (FLUX.2 [klein]'s text encoder) with 28 layers as Qwen3-0.6B, since klein reads hidden layers 9, 18, 27."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=1024, bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), tie_word_embeddings=True)
+    with seeded(seed, name):
+        return Qwen3ForCausalLM(config).eval()
+
+
+def flux2_klein_builder(distilled):
+    def build(directory, seed):
+        """black-forest-labs/FLUX.2-klein(-base)-4B: Flux2Transformer2DModel (one double and one single block,
+        2x2-patchified 32-channel latents -> 128 inputs, 4D rotary axes (4, 4, 4, 4), no guidance embedding) reading
+        three stacked Qwen3 layers (3 x 16 = 48 wide); FLUX.2's VAE with its batch norm over the 128 patchified
+        channels, running statistics drawn away from (0, 1) so that the denormalisation matters; the distilled
+        variant says so in model_index.json (is_distilled: no CFG)."""
+        from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
+                               Flux2Transformer2DModel)
+
+        tokenizer = qwen_tokenizer(extra=["<think>", "</think>"])
+        tokenizer.chat_template = QWEN_CHAT.replace("IMAGE", "") .replace(
+            "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n{% if enable_thinking is defined and not "
+            "enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+        with seeded(seed, "flux2_klein/transformer"):
+            transformer = Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
+                                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                                                  axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False).eval()
+        with seeded(seed, "flux2_klein/vae"):
+            vae = AutoencoderKLFlux2(block_out_channels=(8, 16, 16, 32), layers_per_block=1, latent_channels=32,
+                                     norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False).eval()
+            vae.bn.running_mean.normal_(0, 0.5)
+            vae.bn.running_var.uniform_(0.5, 2.0)
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
+                                                    time_shift_type="exponential")
+        Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=qwen3(seed, "flux2_klein/text_encoder", tokenizer),
+                           tokenizer=tokenizer, transformer=transformer, is_distilled=distilled).save_pretrained(directory)
+    return build
+
+
 def build_vit_h(directory, seed):
     """laion/CLIP-ViT-H-14-laion2B-s32B-b79K: the base of PickScore and HPSv2.1; config (read by the hpsv2
     reward), weights and processor. OpenCLIP's ViT-H uses the exact GELU."""
@@ -399,6 +484,9 @@ def build_imagereward(directory, seed):
 STANDINS = {
     MODEL_IDS["sd3"]: build_sd3,
     MODEL_IDS["flux"]: build_flux,
+    MODEL_IDS["qwen-image"]: build_qwen_image,
+    MODEL_IDS["flux2-klein"]: flux2_klein_builder(distilled=False),
+    "black-forest-labs/FLUX.2-klein-4B": flux2_klein_builder(distilled=True),
     reward.PICKSCORE_PROCESSOR: build_vit_h,   # also reward.HPS_BACKBONE
     reward.PICKSCORE_MODEL: build_pickscore,
     reward.CLIPSCORE_MODEL: build_clip_l,      # also reward.AESTHETIC_CLIP

@@ -1,32 +1,37 @@
-"""GPU benchmark: V-GRPO's phases on SD3.5-Medium- and FLUX.1-dev-shaped transformers.
+"""GPU benchmark: V-GRPO's phases on SD3.5-Medium-, FLUX.1-dev-, Qwen-Image- and FLUX.2 [klein]-shaped transformers.
 
     python bench/gpu.py                                    # one GPU, a few minutes -> bench/results/gpu.md, gpu.json
     python bench/gpu.py --time-limit 240 --models flux     # stop measuring after 240 s, write what was measured
+    python bench/gpu.py --models qwen-image,flux2-klein    # the newer models (not in the default run)
     python bench/gpu.py --quick --out /tmp/gpu.md          # CPU, tiny shapes, float32, seconds (test_bench.py)
 
-The transformers are the real architectures (configurations below, from the models' config.json) with random
-weights: nothing is downloaded. They are built directly on the GPU in bf16 (factory functions default there while
-the modules are made, so no full-size weights ever exist on the CPU), get vgrpo's LoRA (r32, alpha 64, the
-families' targets) and gradient checkpointing, and run through vgrpo's own functions with the recipe's settings
-(vgrpo.RECIPES: SD3.5-M at 512 px, 40 steps; FLUX.1-dev at 720 px, 16 steps; N_MC 4, micro-batches of 4):
+The transformers are the real architectures (configurations below and in bench/memory.py, from the models'
+config.json) with random weights: nothing is downloaded. They are built directly on the GPU in bf16 (factory functions
+default there while the modules are made, so no full-size weights ever exist on the CPU), get the recipe's LoRA
+(r32, alpha 64; r64, alpha 128 for Qwen-Image and klein; the families' targets) and gradient checkpointing, and run
+through vgrpo's own functions with the recipe's settings (vgrpo.RECIPES: SD3.5-M at 512 px, 40 steps; FLUX.1-dev at
+720 px, 16 steps; Qwen-Image at 512 px, 10 steps with true CFG; klein at 384 px, 8 steps with true CFG; N_MC 4,
+micro-batches of 4):
 
   rollout  vgrpo.rollout on one --sample-batch of noises, timed over --rollout-steps ODE steps, scaled to all S
   old      vgrpo.old_surrogate on one micro-batch (micro-batch x N_MC rows, no gradients)
   update   vgrpo.update on one micro-batch: forward + backward of its rows, gradient clip, AdamW on the LoRA weights
-  decode   vgrpo.decode of --decode-batch latents by the 16-channel VAE (its published configuration)
-  reward   the reward on a --sample-batch of images: a random CLIP ViT-H/14 read as PickScore (SD3.5-M) or
-           HPSv2.1 (FLUX.1-dev), as reward.py reads the real ones
-  text     the text encoders at their published sizes (CLIP-L, bigG, T5-XXL), per prompt: a cost at start only
+  decode   vgrpo.decode of --decode-batch latents by the model's VAE (its published configuration)
+  reward   the reward on a --sample-batch of images: a random CLIP ViT-H/14 read as PickScore (SD3.5-M, Qwen-Image,
+           klein) or HPSv2.1 (FLUX.1-dev), as reward.py reads the real ones
+  text     the text encoders at their published sizes (CLIP-L, bigG, T5-XXL; Qwen2.5-7B; Qwen3-4B), per prompt: a
+           cost at start only
 
 --modes eager,compiled (the default) measures rollout, old surrogate and update twice in one run: eager, then with
 vgrpo's --compile (each transformer block compiled in place), whose compile time is the warm-up's excess over a
 timed run. Random text embeddings have the real shapes (SD3: 333 tokens = 77 CLIP + 256 T5, pooled 2048; FLUX: 512
-T5 tokens, pooled 768). Seconds are the fastest of --repeats runs after a warm-up; peak memory is
-torch.cuda.max_memory_allocated over the phase (weights included). TFLOP/s counts the FLOPs of one forward of one
-row and of one update of one sample with torch.utils.flop_counter (backward and checkpointing's recomputation
-included) and divides by the measured time; "of peak" compares it with the device's dense bf16 peak. The split
-multiplies the measured times out to one iteration of the recipe on --gpus GPUs, per GPU, eager and compiled.
---quick runs the same code on tiny transformers on the CPU in float32.
+T5 tokens, pooled 768; Qwen-Image: 256 tokens of 3584 and their mask; klein: 512 tokens of 7680). Seconds are the
+fastest of --repeats runs after a warm-up; peak memory is torch.cuda.max_memory_allocated over the phase (weights
+included). TFLOP/s counts the FLOPs of one forward of one row and of one update of one sample with
+torch.utils.flop_counter (backward and checkpointing's recomputation included) and divides by the measured time; "of
+peak" compares it with the device's dense bf16 peak. The split multiplies the measured times out to one iteration of
+the recipe on --gpus GPUs, per GPU, eager and compiled. --quick runs the same code on tiny transformers on the CPU
+in float32.
 """
 
 import argparse
@@ -45,6 +50,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import memory  # noqa: E402
 import vgrpo  # noqa: E402
 
 # stabilityai/stable-diffusion-3.5-medium's transformer (2.24B) and black-forest-labs/FLUX.1-dev's (11.9B)
@@ -61,15 +68,20 @@ SD3_QUICK = dict(SD3_CONFIG, sample_size=8, num_layers=2, attention_head_dim=8, 
                  dual_attention_layers=(0,))
 FLUX_QUICK = dict(FLUX_CONFIG, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                   joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
-# what the pipelines' schedulers are configured with (FLUX: resolution-dependent shift)
-SD3_SCHEDULER = dict(shift=3.0)
-FLUX_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-                      max_image_seq_len=4096)
-MODELS = {  # name: (diffusers class, family, recipe, scheduler, config, quick config, text tokens, pooled width)
-    "sd3": ("SD3Transformer2DModel", vgrpo.SD3Family, "sd3", SD3_SCHEDULER, SD3_CONFIG, SD3_QUICK, 333, 2048),
-    "flux": ("FluxTransformer2DModel", vgrpo.FluxFamily, "flux", FLUX_SCHEDULER, FLUX_CONFIG, FLUX_QUICK, 512, 768),
+# Qwen-Image (20.4B) and FLUX.2 [klein] base 4B (3.9B): bench/memory.py's published configurations; --quick: toys
+QWEN_QUICK = dict(memory.QWEN_IMAGE, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                  axes_dims_rope=(4, 6, 6))
+KLEIN_QUICK = dict(memory.FLUX2_KLEIN_4B, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                   num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(4, 4, 4, 4))
+# name: (diffusers class, config, quick config, the conditioning per sample: (tokens, width) then what follows it,
+# pooled (width,) or the tokens' mask)
+MODELS = {
+    "sd3": ("SD3Transformer2DModel", SD3_CONFIG, SD3_QUICK, (333, "pooled")),
+    "flux": ("FluxTransformer2DModel", FLUX_CONFIG, FLUX_QUICK, (512, "pooled")),
+    "qwen-image": ("QwenImageTransformer2DModel", memory.QWEN_IMAGE, QWEN_QUICK, (256, "mask")),
+    "flux2-klein": ("Flux2Transformer2DModel", memory.FLUX2_KLEIN_4B, KLEIN_QUICK, (512, None)),
 }
-TITLES = {"sd3": "SD3.5-M", "flux": "FLUX.1-dev"}
+TITLES = {"sd3": "SD3.5-M", "flux": "FLUX.1-dev", "qwen-image": "Qwen-Image", "flux2-klein": "FLUX.2 [klein] 4B"}
 # dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, matched in order against the device name
 PEAK_TFLOPS = [("H100 PCIe", 756), ("H100", 989), ("H200", 989), ("H800", 989), ("A100", 312), ("A800", 312),
                ("L40S", 362), ("RTX 4090", 165), ("B200", 2250)]
@@ -98,17 +110,10 @@ def build_transformer(cls_name, config, device, dtype):
 
 
 def build_vae(name, quick, device, amp):
-    """The 16-channel AutoencoderKL of SD3.5 and FLUX.1 (bench/memory.py's published configuration; --quick: tiny)."""
-    from diffusers import AutoencoderKL
-
-    import memory
-
-    config = dict(memory.VAE_16CH, block_out_channels=(8, 16, 16, 32), layers_per_block=1, norm_num_groups=8) \
-        if quick else memory.VAE_16CH
-    scaling, shift = memory.VAE_FACTORS[name]
+    """The model's VAE (bench/memory.py's published configuration; --quick: the same class at toy width)."""
     with torch.device(device):
         torch.manual_seed(0)
-        vae = AutoencoderKL(**config, scaling_factor=scaling, shift_factor=shift)
+        vae = memory.build_vae(name, quick)
     return vae.to(device, amp or torch.float32).eval().requires_grad_(False)
 
 
@@ -121,27 +126,39 @@ TEXT_ENCODERS = {
                    projection_dim=1280, vocab_size=49408, max_position_embeddings=77, hidden_act="gelu"),
     "t5": dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128,
                feed_forward_proj="gated-gelu", dropout_rate=0.0),
+    # Qwen-Image's Qwen2.5-VL-7B (its language model reads the prompt) and klein's Qwen3-4B, all their layers
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
 }
-ENCODERS_OF = {"sd3": ("clip_l", "clip_g", "t5"), "flux": ("clip_l", "t5")}
+ENCODERS_OF = {"sd3": ("clip_l", "clip_g", "t5"), "flux": ("clip_l", "t5"), "qwen-image": ("qwen2.5-7b",),
+               "flux2-klein": ("qwen3-4b",)}
+# tokens each encoder reads per prompt: CLIP 77, T5 the recipe's, Qwen-Image's template (34 tokens dropped after) and
+# the recipe's 256, klein's 512 (its pipeline pads to them)
+TEXT_TOKENS = {"clip_l": 77, "clip_g": 77, "t5": None, "qwen2.5-7b": 34 + 256, "qwen3-4b": 512}
 
 
 def text_encoding(name, quick, device, dtype, max_t5_tokens, prompts=32):
     """Seconds per prompt of the model's text encoders at their real sizes (random weights, random token ids of the
     real lengths): what encoding a prompt file once at start costs (vgrpo's embedding store)."""
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    import transformers
 
+    classes = {"clip_l": ("CLIPTextModelWithProjection", "CLIPTextConfig"), "t5": ("T5EncoderModel", "T5Config"),
+               "qwen2.5-7b": ("Qwen2Model", "Qwen2Config"), "qwen3-4b": ("Qwen3Model", "Qwen3Config")}
     encoders = []
     for key in ENCODERS_OF[name]:
         config = TEXT_ENCODERS[key]
         if quick:
             config = dict(config, **(dict(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2) if key == "t5" else
                                      dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=2, projection_dim=32)))
+                                          num_attention_heads=2, **({"projection_dim": 32} if "clip" in key else
+                                                                    dict(num_key_value_heads=1, head_dim=16)))))
+        model_class, config_class = classes.get(key, classes["clip_l"])
         with torch.device(device):
             torch.manual_seed(0)
-            model = T5EncoderModel(T5Config(**config)) if key == "t5" else \
-                CLIPTextModelWithProjection(CLIPTextConfig(**config))
-        tokens = max_t5_tokens if key == "t5" else 77
+            model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
+        tokens = 8 if quick else TEXT_TOKENS[key] or max_t5_tokens
         ids = torch.randint(config["vocab_size"], (prompts, tokens), device=device)
         encoders.append((model.to(dtype).eval(), ids))
 
@@ -156,34 +173,38 @@ def text_encoding(name, quick, device, dtype, max_t5_tokens, prompts=32):
 
 
 def make_family(name, quick, device):
-    """vgrpo's SD3Family / FluxFamily around a bare transformer, and the recipe's Args with LoRA r32. A stand-in
-    pipeline holds the transformer, the scheduler (for the sigma grid) and FLUX's image-token layout."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    """vgrpo's Family of the model around a bare transformer, and the recipe's Args with its LoRA. A stand-in
+    pipeline holds the transformer, the VAE, the scheduler (for the sigma grid) and the pipeline's static helpers."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    cls_name, family_cls, recipe, scheduler, config, quick_config, tokens, pooled = MODELS[name]
-    args = vgrpo.Args(model=("tiny" if name == "sd3" else "tiny-flux") if quick else recipe)
-    args = dataclasses.replace(args, full_finetune=False, lora_rank=32, lora_alpha=64.0)   # LoRA in --quick too
+    cls_name, config, quick_config, (tokens, after) = MODELS[name]
+    args = vgrpo.Args(model=name)
+    if quick:   # the tiny models' batch settings, the model's own LoRA rank (r32, or r64 for the newer ones)
+        tiny = vgrpo.Args(model="tiny-flux" if name == "flux" else "tiny")
+        args = dataclasses.replace(tiny, model=name, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                                   guidance=args.guidance if name != "sd3" else tiny.guidance)
+    args = dataclasses.replace(args, full_finetune=False)   # LoRA in --quick too
     config, tokens, resolution = (quick_config, 8, 64) if quick else (config, tokens, args.resolution)
     amp = None if quick else torch.bfloat16
     transformer = build_transformer(cls_name, config, device, amp or torch.float32)
     transformer.enable_gradient_checkpointing()
     pipe = types.SimpleNamespace(transformer=transformer, vae_scale_factor=8, vae=build_vae(name, quick, device, amp),
-                                 scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
-                                 _prepare_latent_image_ids=FluxPipeline._prepare_latent_image_ids,
-                                 _unpack_latents=FluxPipeline._unpack_latents)
+                                 scheduler=FlowMatchEulerDiscreteScheduler(**memory.SCHEDULERS[name]),
+                                 **memory.pipeline_parts(name))
     kw = dict(guidance=args.guidance) if name == "flux" else {}
-    family = family_cls(pipe, resolution, tokens, device, amp_dtype=amp, **kw)
-    return family, args, (tokens, config["joint_attention_dim"], config["pooled_projection_dim"])
+    family = vgrpo.PIPELINES[name][1](pipe, resolution, tokens, device, amp_dtype=amp, **kw)
+    cond = [(tokens, config["joint_attention_dim"])]
+    cond += [(config["pooled_projection_dim"],)] if after == "pooled" else [(tokens, "mask")] if after else []
+    return family, args, cond
 
 
-def inputs(family, args, text_shape, micro_batch, device):
-    """Random conditioning and starting noises for a sample batch, the sigma grid, and one micro-batch's
-    V-GRPO batch (rollout latents, conditioning, pairs shared over the batch, advantages)."""
-    tokens, width, pooled = text_shape
+def inputs(family, args, cond_shapes, micro_batch, device):
+    """Random conditioning (a mask of ones) and starting noises for a sample batch, the sigma grid, and one
+    micro-batch's V-GRPO batch (rollout latents, conditioning, pairs shared over the batch, advantages)."""
     n, dtype = max(args.sample_batch, micro_batch), family.amp_dtype or torch.float32
     g = torch.Generator(device).manual_seed(0)
-    cond = (torch.randn(n, tokens, width, device=device, dtype=dtype, generator=g),
-            torch.randn(n, pooled, device=device, dtype=dtype, generator=g))
+    cond = tuple(torch.ones(n, shape[0], dtype=torch.long, device=device) if shape[-1] == "mask" else
+                 torch.randn(n, *shape, device=device, dtype=dtype, generator=g) for shape in cond_shapes)
     noise = torch.randn(n, *family.latent_shape, device=device, generator=g)
     sigmas = family.sigma_grid(args.sample_steps)
     sig, eps = vgrpo.draw_pairs(sigmas, args.n_mc, family.latent_shape, [(0, m) for m in range(micro_batch)],
@@ -225,7 +246,7 @@ def count_flops(fn):
 
 def measure_model(name, a, gpus, device, deadline):
     """Build one model and time its three phases -> a dict; phases not started before `deadline` are left out."""
-    family, args, text_shape = make_family(name, a.quick, device)
+    family, args, cond_shapes = make_family(name, a.quick, device)
     model = family.transformer
     params = vgrpo.add_trainable_weights(family, args)
     optimizer = torch.optim.AdamW(params, lr=args.lr)
@@ -233,12 +254,12 @@ def measure_model(name, a, gpus, device, deadline):
     mb = math.gcd(minibatch, 16 if a.quick else 4)                               # vgrpo.validate's default
     sb, k = args.sample_batch, min(a.rollout_steps, args.sample_steps)
     one = dataclasses.replace(args, micro_batch=mb, group_size=mb, inner_steps=1)   # exactly one micro-batch
-    cond, noise, sigmas, batch = inputs(family, args, text_shape, mb, device)
+    cond, noise, sigmas, batch = inputs(family, args, cond_shapes, mb, device)
     first_k = torch.cat([sigmas[:k], sigmas[-1:]])    # k velocity evaluations, the last one straight to sigma = 0
     res = dict(model=TITLES[name], resolution=family.resolution, steps=args.sample_steps, sample_batch=sb,
                decode_batch=args.decode_batch, compiled=None,
                micro_batch=mb, n_mc=args.n_mc, lora_rank=args.lora_rank, image_tokens=family.image_tokens,
-               text_tokens=text_shape[0], lora_params=sum(p.numel() for p in params), phases={},
+               text_tokens=cond_shapes[0][0], lora_params=sum(p.numel() for p in params), phases={},
                recipe=dict(P=args.prompts_per_step, G=args.group_size, inner_steps=args.inner_steps))
     res["params"] = sum(p.numel() for p in model.parameters()) - res["lora_params"]
     # FLOPs of one row's forward and of one sample's update (vgrpo.update on a micro-batch of one: forward,
@@ -249,9 +270,12 @@ def measure_model(name, a, gpus, device, deadline):
     single = {key: vgrpo.rows_of(v, slice(0, 1)) if key == "cond" else v[:1] for key, v in batch.items()}
     res["flops_update_sample"] = count_flops(lambda: vgrpo.update(
         family, model, optimizer, params, single, dataclasses.replace(one, micro_batch=1, group_size=1), 1))
+    cfg = family.cfg and args.guidance > 1   # true CFG (Qwen-Image, klein): two rows per sample, a random negative
+    negative = vgrpo.rows_of(cond, slice(0, 1)) if cfg else None
+    res["cfg"] = cfg
     phases = {
-        "rollout": (lambda: vgrpo.rollout(family, model, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb], first_k, one),
-                    sb, res["flops_forward_row"] * sb * k),
+        "rollout": (lambda: vgrpo.rollout(family, model, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb], first_k, one,
+                                          negative), sb, res["flops_forward_row"] * sb * k * (2 if cfg else 1)),
         "old surrogate": (lambda: vgrpo.old_surrogate(family, model, batch, one, 1, from_step=0), mb,
                           res["flops_forward_row"] * mb * args.n_mc),
         "update": (lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1), mb,
@@ -292,7 +316,8 @@ def measure_beside(res, name, quick, family, args, cond, noise, device, deadline
 
     sb, db = args.sample_batch, args.decode_batch
     images = vgrpo.decode(family, noise[:db], db)                     # (db, 3, H, W) in [0, 1]
-    fn = smoke.random_clip_reward(quick, name == "sd3", 26.0 if name == "sd3" else 1.0)(device, family.amp_dtype)
+    pickscore = name != "flux"   # the recipes' rewards: PickScore (logit scale, / 26), FLUX.1-dev's HPSv2.1 (cosine)
+    fn = smoke.random_clip_reward(quick, pickscore, 26.0 if pickscore else 1.0)(device, family.amp_dtype)
     pictures = images.repeat(-(-sb // db), 1, 1, 1)[:sb]
     beside = {"decode": (lambda: vgrpo.decode(family, noise[:db], db), db),
               "reward": (lambda: fn(pictures, ["a prompt"] * sb), sb)}
@@ -303,7 +328,7 @@ def measure_beside(res, name, quick, family, args, cond, noise, device, deadline
         res["phases"][phase] = dict(samples=samples, seconds=seconds, images_per_s=samples / seconds, peak_gib=peak)
         print(f"  {phase}: {seconds:.3f} s for {samples} images", flush=True)
     if time.perf_counter() < deadline:
-        t5_tokens = 8 if quick else {"sd3": 256, "flux": 512}[name]
+        t5_tokens = {"sd3": 256, "flux": 512}.get(name)
         res["text_s_per_prompt"] = text_encoding(name, quick, device, family.amp_dtype or torch.float32, t5_tokens)
         print(f"  text encoders: {res['text_s_per_prompt'] * 1e3:.1f} ms per prompt", flush=True)
 
@@ -336,7 +361,8 @@ def report(results, meta):
                   "GPU to measure the real shapes.", ""]
     where = f"{meta['device']} (dense bf16 peak {peak or '?'} TFLOP/s)" if meta["gpu"] else "the CPU"
     lines += [f"`{meta['command']}` on {where}, torch {meta['torch']}, diffusers {meta['diffusers']}, {meta['date']}; "
-              f"weights in {meta['dtype']}, LoRA r32 (float32), gradient checkpointing, fastest of {meta['repeats']}; "
+              f"weights in {meta['dtype']}, the recipe's LoRA (float32), gradient checkpointing, "
+              f"fastest of {meta['repeats']}; "
               "compiled: vgrpo's `--compile` (each transformer block), its compile time the first run's excess.",
               "", "| model | phase | samples | rows | eager s | TFLOP/s | of peak | compiled s | TFLOP/s | of peak | "
               "compile s | peak GiB |", "| --- | --- | --- | --- |" + " ---: |" * 8]
@@ -395,7 +421,7 @@ def split_lines(results, meta):
 def main(argv=None):
     p = argparse.ArgumentParser(description="V-GRPO's phases on SD3.5-M- and FLUX.1-dev-shaped transformers")
     p.add_argument("--quick", action="store_true", help="tiny transformers on the CPU in float32 (seconds)")
-    p.add_argument("--models", default="sd3,flux", help="comma-separated, from: sd3, flux")
+    p.add_argument("--models", default="sd3,flux", help=f"comma-separated, from: {', '.join(MODELS)}")
     p.add_argument("--time-limit", type=float, default=300, help="seconds after which no phase starts; what was "
                                                                   "measured is written")
     p.add_argument("--gpus", type=int, default=8, help="GPUs of the per-iteration split (the paper's runs: 8)")

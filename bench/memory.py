@@ -6,7 +6,7 @@ and reward.py's CLIP reward. (torch.distributed._tools.mem_tracker.MemTracker do
 on every parameter, which fails on LoRA's frozen base, and refuses a module called twice while it tracks, which
 gradient checkpointing's recomputation and every ODE step do.) Writes bench/results/memory.md.
 
-    python bench/memory.py                 # both models, LoRA and full fine-tuning, without and with --fsdp:
+    python bench/memory.py                 # all four models, LoRA and full fine-tuning, without and with --fsdp:
                                            # about 8 min on 2 CPU cores -> results/memory.md and memory.json
     python bench/memory.py --models sd3 --lora-only
     python bench/memory.py --gpu --time-limit 300   # on a GPU machine: the same code with the caching allocator's
@@ -64,8 +64,26 @@ VAE_16CH = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlo
                 latent_channels=16, norm_num_groups=32, sample_size=1024, use_quant_conv=False,
                 use_post_quant_conv=False)
 VAE_FACTORS = {"sd3": (1.5305, 0.0609), "flux": (0.3611, 0.1159)}
-# text conditioning per sample: SD3.5 = CLIP-L + CLIP-G (77 tokens) then T5 (256), width 4096; FLUX = T5 (512)
-COND_SHAPES = {"sd3": ((77 + 256, 4096), (2048,)), "flux": ((512, 4096), (768,))}
+# Qwen/Qwen-Image, transformer/config.json (diffusers' QwenImageTransformer2DModel defaults are this configuration): 60
+# double-stream blocks of 24 heads x 128 (width 3072), 2x2 patches of 16 latent channels, rotary axes (16, 56, 56),
+# Qwen2.5-VL-7B's 3584-wide hidden states, no guidance embedding. Its VAE: AutoencoderKLQwenImage's defaults (base
+# width 96, multipliers 1, 2, 4, 4, two residual blocks per level, 16 latent channels).
+QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+# black-forest-labs/FLUX.2-klein-base-4B, transformer/config.json: 5 double- and 20 single-stream blocks of 24 heads x
+# 128 (width 3072), 2x2-patchified 32 latent channels -> 128 inputs, 4D rotary axes (32, 32, 32, 32) with theta 2000,
+# MLP ratio 3, three stacked Qwen3-4B layers (3 x 2560 = 7680) as text, no guidance embedding. Its VAE: FLUX.2's,
+# AutoencoderKLFlux2's defaults (128, 256, 512, 512; 32 latent channels; the batch norm over 128 patchified ones).
+FLUX2_KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+                      num_attention_heads=24, joint_attention_dim=7680, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
+                      rope_theta=2000, guidance_embeds=False)
+# text conditioning per sample, (shape, what): SD3.5 = CLIP-L + CLIP-G (77 tokens) then T5 (256), width 4096, and the
+# pooled CLIPs; FLUX = T5 (512) and pooled CLIP-L; Qwen-Image = the recipe's 256 Qwen2.5-VL tokens and their mask;
+# FLUX.2 [klein] = 512 tokens of three Qwen3 layers
+COND_SHAPES = {"sd3": (((77 + 256, 4096), "embedding"), ((2048,), "embedding")),
+               "flux": (((512, 4096), "embedding"), ((768,), "embedding")),
+               "qwen-image": (((256, 3584), "embedding"), ((256,), "mask")),
+               "flux2-klein": (((512, 7680), "embedding"),)}
 # laion/CLIP-ViT-H-14 (PickScore_v1 and HPSv2.1 are fine-tunes of it): vision 32 layers x 1280 (16 heads, MLP 5120,
 # 14 px patches at 224 px), text 24 layers x 1024 (16 heads, MLP 4096, 77 tokens, vocabulary 49408), projection 1024
 VIT_H14 = dict(vision=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
@@ -73,7 +91,9 @@ VIT_H14 = dict(vision=dict(hidden_size=1280, intermediate_size=5120, num_hidden_
                text=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                          max_position_embeddings=77, vocab_size=49408, hidden_act="gelu"),
                projection_dim=1024)
-REWARD_OF = {"sd3": "PickScore (ViT-H/14)", "flux": "HPSv2.1 (ViT-H/14)"}
+REWARD_OF = {"sd3": "PickScore (ViT-H/14)", "flux": "HPSv2.1 (ViT-H/14)", "qwen-image": "PickScore (ViT-H/14)",
+             "flux2-klein": "PickScore (ViT-H/14)"}
+TITLES = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "qwen-image": "Qwen-Image", "flux2-klein": "FLUX.2 [klein] base 4B"}
 WORLD = 8  # the recipes' processes
 REAL_GPU = False  # --gpu: measuring on this machine's GPU, not on fake CUDA
 AMP_OF = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}
@@ -86,35 +106,79 @@ GIB = 2 ** 30
 def build_family(kind, args):
     """A vgrpo Family around the real-size transformer and VAE, built on the fake GPU (weights cost nothing)."""
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel, \
-        SD3Transformer2DModel
 
     import vgrpo
 
     amp = vgrpo.AMP_DTYPES[args.mixed_precision]
     weights_dtype = torch.float32 if args.full_finetune or amp is None else amp
     with torch.device("cuda"):
-        if kind == "sd3":
-            transformer = SD3Transformer2DModel(**SD35_MEDIUM)
-            scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-        else:
-            transformer = FluxTransformer2DModel(**FLUX1_DEV)
-            scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
-        scaling, shift = VAE_FACTORS[kind]
-        vae = AutoencoderKL(**VAE_16CH, scaling_factor=scaling, shift_factor=shift)
+        transformer, vae, scheduler, pipe_parts = build_parts(kind)
     # .to("cuda") too: buffers made from numpy (SD3's positional embedding grid) ignore the default device
     transformer.to("cuda", weights_dtype).requires_grad_(False).eval()
     vae.to("cuda", amp or torch.float32).requires_grad_(False).eval()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     pipe = types.SimpleNamespace(transformer=transformer, vae=vae, scheduler=scheduler, vae_scale_factor=8,
-                                 _prepare_latent_image_ids=FluxPipeline._prepare_latent_image_ids,
-                                 _unpack_latents=FluxPipeline._unpack_latents)
+                                 **pipe_parts)
     device = torch.device("cuda", 0)
-    family_class = vgrpo.FluxFamily if kind == "flux" else vgrpo.SD3Family
     extra = {"guidance": args.guidance} if kind == "flux" else {}
-    return family_class(pipe, args.resolution, args.max_sequence_length, device, amp_dtype=amp, **extra)
+    return vgrpo.PIPELINES[kind][1](pipe, args.resolution, args.max_sequence_length, device, amp_dtype=amp, **extra)
+
+
+# each pipeline's scheduler configuration (FLUX.1: resolution-dependent shift; Qwen-Image: its exponential shift;
+# klein: its pipeline computes mu itself)
+SCHEDULERS = {"sd3": dict(shift=3.0),
+              "flux": dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                           base_image_seq_len=256, max_image_seq_len=4096),
+              "qwen-image": dict(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                 base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                                 time_shift_type="exponential"),
+              "flux2-klein": dict(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")}
+
+
+def pipeline_parts(kind):
+    """What a Family reads of its pipeline besides the transformer, the VAE and the scheduler (static methods)."""
+    import types as _types
+
+    import diffusers
+
+    if kind == "flux":
+        return dict(_prepare_latent_image_ids=diffusers.FluxPipeline._prepare_latent_image_ids,
+                    _unpack_latents=diffusers.FluxPipeline._unpack_latents)
+    if kind == "qwen-image":
+        return dict(_unpack_latents=diffusers.QwenImagePipeline._unpack_latents)
+    if kind == "flux2-klein":
+        pipeline = diffusers.Flux2KleinPipeline
+        return dict(config=_types.SimpleNamespace(is_distilled=False), _prepare_latent_ids=pipeline._prepare_latent_ids,
+                    _prepare_text_ids=pipeline._prepare_text_ids, _unpatchify_latents=pipeline._unpatchify_latents)
+    return {}
+
+
+def build_vae(kind, quick=False):
+    """The model's VAE at its published configuration (quick: the same class at toy width, for CPU tests)."""
+    import diffusers
+
+    if kind == "qwen-image":
+        return diffusers.AutoencoderKLQwenImage(**(dict(base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+                                                   if quick else {}))
+    if kind == "flux2-klein":
+        return diffusers.AutoencoderKLFlux2(**(dict(block_out_channels=(8, 16, 16, 32), layers_per_block=1,
+                                                    norm_num_groups=8) if quick else {}))
+    config = dict(VAE_16CH, block_out_channels=(8, 16, 16, 32), layers_per_block=1, norm_num_groups=8) \
+        if quick else VAE_16CH
+    scaling, shift = VAE_FACTORS[kind]
+    return diffusers.AutoencoderKL(**config, scaling_factor=scaling, shift_factor=shift)
+
+
+def build_parts(kind):
+    """(transformer, VAE, scheduler, what else of the pipeline the Family reads) at the published configurations."""
+    import diffusers
+
+    transformer = {"sd3": ("SD3Transformer2DModel", SD35_MEDIUM), "flux": ("FluxTransformer2DModel", FLUX1_DEV),
+                   "qwen-image": ("QwenImageTransformer2DModel", QWEN_IMAGE),
+                   "flux2-klein": ("Flux2Transformer2DModel", FLUX2_KLEIN_4B)}[kind]
+    return (getattr(diffusers, transformer[0])(**transformer[1]), build_vae(kind),
+            diffusers.FlowMatchEulerDiscreteScheduler(**SCHEDULERS[kind]), pipeline_parts(kind))
 
 
 def build_reward(dtype_name):
@@ -214,9 +278,9 @@ def measure_phases(kind, full_finetune, fsdp):
     optimizer = torch.optim.AdamW(params, lr=args.lr, fused=True)
     device, amp = family.device, family.amp_dtype
     samples = args.prompts_per_step // WORLD * args.group_size          # this process's rollout
-    (emb_shape, pooled_shape), cond_dtype = COND_SHAPES[kind], amp or torch.float32
-    cond = (torch.zeros(samples, *emb_shape, dtype=cond_dtype, device=device),
-            torch.zeros(samples, *pooled_shape, dtype=cond_dtype, device=device))
+    cond = tuple(torch.ones(samples, *shape, dtype=torch.long, device=device) if what == "mask" else
+                 torch.zeros(samples, *shape, dtype=amp or torch.float32, device=device)
+                 for shape, what in COND_SHAPES[kind])
     o = torch.zeros(samples, *family.latent_shape, device=device)
     images = torch.zeros(samples, 3, args.resolution, args.resolution, device=device)
     sigmas = family.sigma_grid(args.sample_steps)
@@ -266,9 +330,12 @@ def measure_phases(kind, full_finetune, fsdp):
     n = min(args.sample_batch, samples)
     noise = torch.zeros(n, *family.latent_shape, device=device)
     two_steps = sigmas[-3:]  # every ODE step costs the same: two of them reach the rollout's peak
+    cfg = family.cfg and args.guidance > 1   # true CFG: the negative prompt's rows beside the positive ones
+    negative = tuple(t[:1] for t in cond) if cfg else None
     phases.append((f"rollout ({n} per pass)", *peak_bytes(
-        lambda: vgrpo.rollout(family, family.transformer, tuple(t[:n] for t in cond), noise, two_steps, args)),
-        f"--sample-batch {args.sample_batch}, {args.sampler}"))
+        lambda: vgrpo.rollout(family, family.transformer, tuple(t[:n] for t in cond), noise, two_steps, args,
+                              negative)),
+        f"--sample-batch {args.sample_batch}, {args.sampler}" + (f", CFG {args.guidance:g}: {2 * n} rows" if cfg else "")))
     phases.append((f"VAE decode ({args.decode_batch} per pass)", *peak_bytes(
         lambda: vgrpo.decode(family, o, args.decode_batch)),
         f"all {samples} latents of the rollout, {args.resolution} px; VAE "
@@ -296,7 +363,7 @@ def gib(value):
 
 def config_title(name):
     kind, training = name.split(" ", 1)
-    return f"{'SD3.5-Medium' if kind == 'sd3' else 'FLUX.1-dev'}, {training}"
+    return f"{TITLES[kind]}, {training}"
 
 
 NOT_COUNTED = [
@@ -316,7 +383,7 @@ NOT_COUNTED = [
     "fine-tuning. One process (one GPU) has no buckets; under --fsdp the sharded gradients are counted.", ""]
 
 
-def write_report(results, seconds, path):
+def write_report(results, path):
     """results: {"sd3 LoRA r32": {"settings": str, "one": rows, "fsdp": rows}, ...} -> markdown, and the same as
     JSON beside it (what --gpu compares with)."""
     lines = ["# Peak GPU memory per phase (fake CUDA, the real shapes)", "",
@@ -325,7 +392,7 @@ def write_report(results, seconds, path):
              "the GiB of live CUDA tensors at the phase's peak, the resident state included "
              "(transformer weights, LoRA / trained weights, AdamW states, the rollout's latents and conditioning, "
              "the decoded images for the reward). Measured under fake CUDA, not on a GPU, in "
-             f"{seconds:.0f} s of CPU on a 2-core machine. Two runs differ by up to 0.4 GiB (when the garbage "
+             "the seconds of CPU on a 2-core machine that each section gives where it was timed. Two runs differ by up to 0.4 GiB (when the garbage "
              "collector frees fake tensors), and under --fsdp by up to 1.1 GiB: FLUX.1-dev LoRA's resident row "
              "took 7.4-8.5 GiB over 6 runs, with Python's hash seed (which all-gathered buffers are still alive "
              "when a phase starts).", "",
@@ -335,7 +402,8 @@ def write_report(results, seconds, path):
              ""]
     for name, result in results.items():
         sharded = {row[0]: row[1] for row in result["fsdp"]}
-        lines += [f"## {config_title(name)}", "", result["settings"], "",
+        took = f" Measured in {result['seconds']:.0f} s." if "seconds" in result else ""
+        lines += [f"## {config_title(name)}", "", result["settings"] + took, "",
                   f"| phase | GiB | GiB with --fsdp over {WORLD} | what |", "| --- | ---: | ---: | --- |"]
         lines += [f"| {phase} | {gib(value)} | {gib(sharded[phase])} | {what} |"
                   for phase, value, _, what in result["one"]]
@@ -415,12 +483,14 @@ def measure_on_gpu(kind, full_finetune, fsdp):
 
 
 def config_name(kind, full):
-    return f"{kind} {'full fine-tuning' if full else 'LoRA r32'}"
+    import vgrpo
+
+    return f"{kind} {'full fine-tuning' if full else f'LoRA r{vgrpo.Args(model=kind).lora_rank}'}"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="sd3,flux")
+    parser.add_argument("--models", default="sd3,flux,qwen-image,flux2-klein")
     parser.add_argument("--out", help="markdown, its JSON beside it (default: results/memory.md; with --gpu, "
                         "results/memory-gpu.md)")
     parser.add_argument("--lora-only", action="store_true")
@@ -447,11 +517,16 @@ def main(argv=None):
             with fake_cuda.Worker(library, env) as worker:  # the fake CUDA hooks exist only in a preloaded process
                 result[key], result["settings"] = worker.call("bench.memory", "measure_one", kind=kind,
                                                               full_finetune=full, fsdp=fsdp)
+        result["seconds"] = time.time() - t
         results[name] = result
         print(f"{name}: {time.time() - t:.0f} s  (GiB; with --fsdp over {WORLD})", flush=True)
         for row, sharded in zip(result["one"], result["fsdp"]):
             print(f"  {row[0]:48s} {gib(row[1]):>8s} {gib(sharded[1]):>8s}", flush=True)
-    write_report(results, time.time() - start, args.out)
+    earlier = os.path.splitext(args.out)[0] + ".json"   # the configurations not measured now keep their rows
+    if os.path.isfile(earlier):
+        with open(earlier) as f:
+            results = {**json.load(f), **results}
+    write_report(results, args.out)
     print(f"wrote {args.out}")
     return 0
 

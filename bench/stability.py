@@ -2,17 +2,17 @@
 
     python bench/stability.py                          # every candidate, 3 seeds, 240 iterations (about 7 min a run)
     python bench/stability.py --configs default,lr-3e-4 --seeds 0
-    python bench/stability.py --report                 # tables and plot from the runs already made
+    python bench/stability.py --report                 # tables and plot from the runs already made (copies too)
     python bench/stability.py --quick --work /tmp/s    # 4 iterations, two candidates, one seed (test_bench.py)
 
 Each run is the demo's command as a user launches it, `python vgrpo.py --iterations 240 --eval-every 20 --seed S`
 plus the candidate's flags, in its own process, one at a time (two at once on 2 cores run 4x slower). A run whose
-eval.jsonl is complete is not run again. Its eval.jsonl is copied to results/stability/NAME-seedS.eval.jsonl, and
-results/stability.md (and .json, and stability.png) gets, per candidate and seed, by both judges (the CNN,
-digit_correct; the independent k-NN, digit_knn): the peak, the final accuracy, the largest fall below the best
-reached before (the issue's criterion: at most 0.05), the accuracy at iteration 80 (the demo's length), and the
-held-out diversity at the start and the end (eval_diversity: the mean pairwise RMS pixel distance of a prompt's 8
-images; it falls when a prompt's images turn into one picture).
+eval.jsonl is complete (in --work, or its copy in results/stability/) is not run again. Its eval.jsonl is copied to
+results/stability/NAME-seedS.eval.jsonl, and results/stability.md (and .json, and stability.png) gets, per candidate
+and seed, by both judges (the CNN, digit_correct; the independent k-NN, digit_knn): the peak, the final accuracy,
+the largest fall below the best reached before (the issue's criterion: at most 0.05), the accuracy at iteration 80
+(the demo's length), and the held-out diversity at the start and the end (eval_diversity: the mean pairwise RMS
+pixel distance of a prompt's 8 images; it falls when a prompt's images turn into one picture).
 """
 
 import argparse
@@ -38,8 +38,22 @@ CONFIGS = {
     "kl-0.3": ["--beta", "0.3"],                     # the paper's KL weight in its last SD3.5-M stage
     "soft-clip-1": ["--adv-soft-clip", "1"],
     "group-16": ["--group-size", "16"],
+    "ema-0.95": ["--ema", "0.95"],                   # the evaluation reads an EMA of the LoRA (horizon ~20 steps)
 }
 JUDGES = {"CNN": "eval_digit_correct", "k-NN": "eval_digit_knn"}
+
+
+def earlier_runs(copies, iterations):
+    """{(name, seed): eval rows} of the complete runs whose copies are in `copies` (results/stability/)."""
+    runs = {}
+    for name in CONFIGS:
+        for file in sorted(os.listdir(copies)):
+            if file.startswith(f"{name}-seed") and file.endswith(".eval.jsonl"):
+                rows = rows_of(os.path.join(copies, file))
+                seed = file[len(f"{name}-seed"):-len(".eval.jsonl")]
+                if seed.isdigit() and rows and rows[-1]["iteration"] == iterations:
+                    runs[name, int(seed)] = rows
+    return runs
 
 
 def run_one(name, seed, work, iterations, eval_every, threads):
@@ -185,10 +199,12 @@ def main(argv=None):
     os.makedirs(a.work, exist_ok=True)
     copies = os.path.join(a.out, "stability")
     os.makedirs(copies, exist_ok=True)
-    runs = {}
+    runs = {} if a.quick else earlier_runs(copies, a.iterations)   # the tables keep every run made before
     for name in names:
         for seed in seeds:
             eval_file = os.path.join(a.work, f"{name}-seed{seed}", "eval.jsonl")
+            if (name, seed) in runs:          # made before: its copy is in results/stability/
+                continue
             if a.report:
                 if os.path.isfile(eval_file):
                     runs[name, seed] = rows_of(eval_file)

@@ -337,7 +337,7 @@ def flux2_klein_builder(distilled):
                                Flux2Transformer2DModel)
 
         tokenizer = qwen_tokenizer(extra=["<think>", "</think>"])
-        tokenizer.chat_template = QWEN_CHAT.replace("IMAGE", "") .replace(
+        tokenizer.chat_template = QWEN_CHAT.replace("IMAGE", "").replace(
             "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n{% if enable_thinking is defined and not "
             "enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
         with seeded(seed, "flux2_klein/transformer"):
@@ -352,8 +352,9 @@ def flux2_klein_builder(distilled):
         scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                                                     max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
                                                     time_shift_type="exponential")
-        Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=qwen3(seed, "flux2_klein/text_encoder", tokenizer),
-                           tokenizer=tokenizer, transformer=transformer, is_distilled=distilled).save_pretrained(directory)
+        text_encoder = qwen3(seed, "flux2_klein/text_encoder", tokenizer)
+        Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                           transformer=transformer, is_distilled=distilled).save_pretrained(directory)
     return build
 
 

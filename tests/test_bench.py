@@ -356,6 +356,33 @@ def test_gpu_bench_quick_mode(tmp_path):
     assert "Not measured, --time-limit reached first: SD3.5-M, FLUX.1-dev." in nothing and "(tiny) |" not in nothing
 
 
+def test_gpu_bench_quick_mode_runs_the_newer_models_with_true_cfg(tmp_path):
+    """bench/gpu.py --models qwen-image,flux2-klein: their real configurations have the published sizes (Qwen-Image's
+    transformer 20B, klein's 4B, on the meta device), and --quick runs every phase through their families, the
+    rollout with CFG's two rows per sample counted in its FLOPs, their own LoRA rank."""
+    import json
+
+    import gpu
+
+    for name, size in (("qwen-image", 20e9), ("flux2-klein", 4e9)):
+        cls_name, config, _, _ = gpu.MODELS[name]
+        model = gpu.build_transformer(cls_name, config, "meta", torch.bfloat16)
+        assert sum(t.numel() for t in model.parameters()) == pytest.approx(size, rel=0.05)
+    out = tmp_path / "gpu.md"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--quick", "--modes", "eager",
+                        "--models", "qwen-image,flux2-klein", "--out", str(out)], env=ENV, cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert [r["model"] for r in data["results"]] == ["Qwen-Image", "FLUX.2 [klein] 4B"]
+    for r in data["results"]:
+        assert list(r["phases"]) == ["rollout", "old surrogate", "update", "decode", "reward"]
+        assert r["cfg"] and r["lora_rank"] == 64 and r["split"]["total"] > 0
+        rollout = r["phases"]["rollout"]
+        assert rollout["tflops"] == pytest.approx(
+            2 * r["flops_forward_row"] * r["sample_batch"] * r["steps"] / rollout["seconds"] / 1e12)
+
+
 def test_reuse_keeps_only_a_seed_run_with_the_same_settings_and_cap(tmp_path):
     chosen = {"V-GRPO": {"name": "V-GRPO", "kind": "V-GRPO", "lr": 0.006, "target_gain": 0.17},
               "MixGRPO": {"name": "MixGRPO", "kind": "MixGRPO", "lr": 0.02, "window": 4, "target_gain": 0.17}}

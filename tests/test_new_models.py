@@ -36,10 +36,11 @@ def test_euler_rollout_and_decoding_reproduce_the_qwen_image_pipeline(use_hub_ca
     assert (type(fam).__name__, fam.latent_shape, fam.cfg, fam.negative_prompt) == ("QwenImageFamily", (4, 64), True,
                                                                                      " ")
     noise = torch.randn(2, *fam.latent_shape, generator=torch.Generator().manual_seed(1))
-    call = dict(prompt=PROMPTS, num_inference_steps=4, height=32, width=32, latents=noise.clone(), true_cfg_scale=guidance,
-                negative_prompt=" " if guidance > 1 else None, max_sequence_length=256)
+    call = dict(prompt=PROMPTS, num_inference_steps=4, height=32, width=32, latents=noise.clone(),
+                true_cfg_scale=guidance, negative_prompt=" " if guidance > 1 else None, max_sequence_length=256)
     want = fam.pipe(**call, output_type="latent").images
-    run_args = vgrpo.Args(model="qwen-image", sampler="euler", guidance=guidance, resolution=32, max_sequence_length=256)
+    run_args = vgrpo.Args(model="qwen-image", sampler="euler", guidance=guidance, resolution=32,
+                          max_sequence_length=256)
     negative = fam.encode([" "]) if guidance > 1 else None
     emb, mask = fam.encode(PROMPTS)
     assert emb.shape[1] == mask.shape[1] == 256 and mask[:, -1].eq(0).all()       # padded, the padding masked
@@ -82,7 +83,8 @@ def test_the_klein_shift_is_its_empirical_mu_and_guidance_doubles_the_rollout_ro
     noise = torch.randn(3, *fam.latent_shape)
     for guidance in (4.0, 1.0):
         args = vgrpo.Args(model="flux2-klein", guidance=guidance, sampler="euler", resolution=32, sample_batch=3)
-        vgrpo.rollout(fam, fam.transformer, fam.encode(["a", "b", "c"]), noise, fam.sigma_grid(2), args, fam.encode([""]))
+        vgrpo.rollout(fam, fam.transformer, fam.encode(["a", "b", "c"]), noise, fam.sigma_grid(2), args,
+                      fam.encode([""]))
     assert rows == [6, 6, 3, 3]                                               # CFG: negative and positive in one pass
 
 
@@ -104,7 +106,8 @@ def test_lora_targets_cover_attention_and_feed_forwards_of_every_block(use_hub_c
         want = {f"transformer_blocks.0.{n}" for n in per_double} | {
             "single_transformer_blocks.0.attn.to_qkv_mlp_proj", "single_transformer_blocks.0.attn.to_out"}
     assert adapted == want
-    v = fam.velocity(fam.transformer, torch.randn(2, *fam.latent_shape), torch.tensor([0.5, 0.3]), fam.encode(["a", "b"]))
+    x, sigma = torch.randn(2, *fam.latent_shape), torch.tensor([0.5, 0.3])
+    v = fam.velocity(fam.transformer, x, sigma, fam.encode(["a", "b"]))
     v.square().sum().backward()
     assert all(p.grad is not None for p in fam.transformer.parameters() if p.requires_grad)   # DDP needs every one
     assert (args.lora_rank, args.lora_alpha) == (64, 128.0)                   # the public recipes' LoRA

@@ -155,7 +155,8 @@ def test_requests_run_concurrently_up_to_the_limit():
     answers = {str(i): "Final Score: 3" for i in range(8)}
     with ChatServer(answers, delay=0.3) as server:
         t0 = time.time()
-        reward.load_reward(f"unifiedreward@{server.base}?model=judge&concurrency=4")(_images(8), list(map(str, range(8))))
+        fn = reward.load_reward(f"unifiedreward@{server.base}?model=judge&concurrency=4")
+        fn(_images(8), list(map(str, range(8))))
         assert server.most_active == 4                       # 8 requests, 4 at a time: two rounds of 0.3 s
         assert 0.6 <= time.time() - t0 < 2.0
 

@@ -1084,19 +1084,21 @@ UNIFIEDREWARD_ASK = {
             "generated), and assign a score from 1 to 5 after 'Final Score:'.\n"}
 UNIFIEDREWARD_SCORE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")   # the peers' pattern; 1-5, divided by 5
 UNIFIEDREWARD_SIDE = 512          # the peers resize every image to 512 x 512 before encoding it
-UNIFIEDREWARD_OPTIONS = {"model": str, "max_tokens": int, "concurrency": int, "timeout": float, "retries": int}
+UNIFIEDREWARD_OPTIONS = {"model": str, "instruction": str, "max_tokens": int, "concurrency": int, "timeout": float,
+                         "retries": int}
 
 
-def unifiedreward_instruction(prompt, model):
-    """The judge's instruction for `prompt`: the Qwen-VL judges' wording for a model id naming qwen, else the
-    LLaVA judges' (UnifiedReward-7b-v1.5, which the peers serve with SGLang)."""
-    ask = UNIFIEDREWARD_ASK["qwen" if "qwen" in model.lower() else "llava"]
+def unifiedreward_instruction(prompt, kind):
+    """The judge's instruction for `prompt`: kind "qwen", the Qwen-VL judges' wording, or "llava", the LLaVA judges'
+    (UnifiedReward-7b-v1.5, which the peers serve with SGLang)."""
+    ask = UNIFIEDREWARD_ASK[kind]
     return f"{UNIFIEDREWARD_CRITERIA}{ask}Your task is provided as follows:\nText Caption: [{prompt}]"
 
 
 def unifiedreward_score(answer):
-    """The judge's answer -> its 'Final Score' / 5 in [0.2, 1], or None when the answer has none (the peers then
-    score the image 0)."""
+    """The judge's answer -> its first 'Final Score' / 5, or None when the answer has none (the peers then score the
+    image 0). The peers' pattern reads one digit 1-5 and any decimals: 'Final Score: 5.5' is 1.1, 'Final Score: 10'
+    is 0.2 (its first digit)."""
     match = UNIFIEDREWARD_SCORE.search(answer or "")
     return float(match.group(1)) / 5 if match else None
 
@@ -1108,6 +1110,10 @@ def parse_unifiedreward_spec(spec):
 
     url = spec.split("@", 1)[1]
     parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - a port that is not a number (a weight after it without a path) fails here
+    except ValueError:
+        raise ValueError(f"{spec}: the port is not a number (a weight goes after the path: .../v1:0.5)") from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError(f"{spec}: expected unifiedreward@http(s)://host:port/v1[?model=ID]")
     options = {}
@@ -1121,19 +1127,21 @@ def parse_unifiedreward_spec(spec):
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", "")), options
 
 
-def post_json(url, body, what, timeout=120.0, retries=3, backoff=2.0):
-    """POST a JSON body (GET without one) -> the decoded JSON answer. Refusals, time-outs and 5xx / 429 answers are
-    retried `retries` times after backoff, 2 backoff, 4 backoff ... seconds; another 4xx (a wrong model name, an
-    unknown field) and an answer that is not JSON are final. The RewardError names `what`, the URL and the server's
-    own words. Nothing is ever unpickled from the network."""
+RETRIED_HTTP = (408, 425, 429)   # besides 5xx: time-outs, too early, too many requests
+
+
+def post_json(url, body, what, timeout=120.0, retries=3, backoff=2.0, headers=None):
+    """POST a JSON body (GET without one) -> the decoded JSON answer. Refusals, time-outs, 5xx and RETRIED_HTTP
+    answers are retried `retries` times after backoff, 2 backoff, 4 backoff ... seconds; another 4xx (a wrong model
+    name, an unknown field) and an answer that is not JSON are final. Every failure is a RewardError naming `what`, the
+    URL and the server's own words. Nothing is ever unpickled from the network."""
+    import http.client
     import json
     import time
     import urllib.error
     import urllib.request
 
-    headers = {"Content-Type": "application/json"}
-    if os.environ.get("OPENAI_API_KEY"):       # an OpenAI-compatible server started with --api-key
-        headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
+    headers = {"Content-Type": "application/json", **(headers or {})}
     data, error, answer = None if body is None else json.dumps(body).encode(), None, None
     for attempt in range(retries + 1):
         if attempt:
@@ -1144,11 +1152,17 @@ def post_json(url, body, what, timeout=120.0, retries=3, backoff=2.0):
                 answer = response.read()
                 break
         except urllib.error.HTTPError as e:
-            error = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
-            if e.code < 500 and e.code != 429:
+            try:
+                said = e.read()[:300].decode(errors="replace")
+            except (OSError, http.client.HTTPException):
+                said = ""
+            error = f"HTTP {e.code}: {said}"
+            if e.code < 500 and e.code not in RETRIED_HTTP:
                 raise RewardError(f"{what} {url} refused the request ({error})") from None
-        except OSError as e:                      # refused, timed out, reset
+        except (OSError, http.client.HTTPException) as e:   # refused, timed out, reset, cut short
             error = f"{type(e).__name__}: {e}"
+        except ValueError as e:                              # a malformed URL: no use retrying
+            raise RewardError(f"{what} {url}: {e}") from None
     if answer is None:
         raise RewardError(f"{what} {url} failed {retries + 1} times ({error})")
     try:
@@ -1157,10 +1171,17 @@ def post_json(url, body, what, timeout=120.0, retries=3, backoff=2.0):
         raise RewardError(f"{what} {url} answered something that is not JSON: {answer[:120]!r}") from None
 
 
+def openai_headers():
+    """The bearer token of an OpenAI-compatible server started with --api-key, from OPENAI_API_KEY as OpenAI's
+    clients read it; sent to the unifiedreward server only."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def served_model(base, timeout=30.0, retries=3, backoff=2.0):
     """The one model an OpenAI-compatible server lists at /models (vLLM, SGLang and `transformers serve` with a model
     named at launch serve one)."""
-    answer = post_json(f"{base}/models", None, "unifiedreward server", timeout, retries, backoff)
+    answer = post_json(f"{base}/models", None, "unifiedreward server", timeout, retries, backoff, openai_headers())
     listed = [m["id"] for m in answer.get("data", [])] if isinstance(answer, dict) else []
     if len(listed) != 1:
         raise RewardError(f"unifiedreward: {base}/models lists {len(listed)} models ({', '.join(listed[:5])}); name "
@@ -1168,35 +1189,55 @@ def served_model(base, timeout=30.0, retries=3, backoff=2.0):
     return listed[0]
 
 
-def unifiedreward_reward(base, model=None, max_tokens=512, concurrency=16, timeout=300.0, retries=3, backoff=2.0):
+def unifiedreward_request(image, prompt, model, kind, max_tokens):
+    """One chat completion request: the PIL image resized to 512 x 512 as a PNG data URL, then the instruction."""
+    import base64
+
+    buf = io.BytesIO()
+    image.resize((UNIFIEDREWARD_SIDE, UNIFIEDREWARD_SIDE)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    content = [{"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": unifiedreward_instruction(prompt, kind)}]
+    return {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": max_tokens}
+
+
+def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, concurrency=16, timeout=300.0, retries=3,
+                         backoff=2.0):
     """UnifiedReward on an OpenAI-compatible server at `base` (..../v1): one chat request per image, `concurrency`
     at a time, greedy (temperature 0); reward = the answer's Final Score / 5, or 0 where it has none, as the peers
-    score it. fn.last_counts["unparsed"] is the share of the last batch's answers without a score (logged as
-    reward_unifiedreward_unparsed); the first such answer is printed once."""
-    import base64
+    score it. instruction: the judges' wording, qwen or llava (default: qwen when the model id names it). The first
+    request that fails for good fails the batch at once (the queued ones are cancelled). fn.last_counts["unparsed"]
+    is the share of the last batch's answers without a score (logged as reward_unifiedreward_unparsed); the first
+    such answer is printed once."""
     import sys
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
     model = model or served_model(base, retries=retries, backoff=backoff)
+    kind = instruction or ("qwen" if "qwen" in model.lower() else "llava")
+    if kind not in UNIFIEDREWARD_ASK:
+        raise RewardError(f"unifiedreward: instruction={kind!r} is none of {', '.join(UNIFIEDREWARD_ASK)}")
+    print(f"vgrpo: unifiedreward: {model} at {base}, the {kind} judges' instruction", file=sys.stderr, flush=True)
     warned = []
 
     def ask(image, prompt):
-        buf = io.BytesIO()
-        image.resize((UNIFIEDREWARD_SIDE, UNIFIEDREWARD_SIDE)).save(buf, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-        content = [{"type": "image_url", "image_url": {"url": url}},
-                   {"type": "text", "text": unifiedreward_instruction(prompt, model)}]
-        body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0,
-                "max_tokens": max_tokens}
-        answer = post_json(f"{base}/chat/completions", body, "unifiedreward server", timeout, retries, backoff)
+        body = unifiedreward_request(image, prompt, model, kind, max_tokens)
+        answer = post_json(f"{base}/chat/completions", body, "unifiedreward server", timeout, retries, backoff,
+                           openai_headers())
         try:
             return answer["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise RewardError(f"unifiedreward at {base} answered no chat completion: {str(answer)[:200]}") from None
 
     def fn(images, prompts):
-        with ThreadPoolExecutor(max(1, min(concurrency, len(prompts)))) as pool:
-            answers = list(pool.map(ask, to_uint8_images(images), prompts))
+        pool = ThreadPoolExecutor(max(1, min(concurrency, len(prompts))))
+        futures = [pool.submit(ask, image, p) for image, p in zip(to_uint8_images(images), prompts)]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        pool.shutdown(wait=False, cancel_futures=True)   # after a failure, nothing more is sent
+        failed = [f.exception() for f in done if f.exception() is not None]
+        if failed:
+            raise failed[0]
+        answers = [f.result() for f in futures]
         scores = [unifiedreward_score(a) for a in answers]
         missing = [a for a, s in zip(answers, scores) if s is None]
         if missing and not warned:

@@ -893,7 +893,14 @@ def check_paths(args):
         check_resume_matches(args)
 
 
+UNIFIEDREWARD_NOTE = ("vgrpo: note: the paper's FLUX.1-dev run also trains on UnifiedReward, a VLM judge on a server: "
+                      "start one (e.g. `vllm serve CodeGoat24/UnifiedReward-qwen-7b --port 8000`) and append "
+                      ",unifiedreward@http://localhost:8000/v1 to --reward")
+
+
 def check_reward_specs(args):
+    if args.preset == "flux-preference" and "unifiedreward@" not in args.reward and int(os.environ.get("RANK", 0)) == 0:
+        print(UNIFIEDREWARD_NOTE, file=sys.stderr, flush=True)
     for flag, spec in (("--reward", args.reward), ("--eval-rewards", args.eval_rewards)):
         try:
             names = [name for name, _ in rewards_lib.parse_reward_spec(spec)] if spec or flag == "--reward" else []
@@ -938,7 +945,8 @@ PRESETS = {
     # text rendering, the last stage: its prompts quote the text; the KL term keeps earlier skills (the paper's 0.3)
     "sd3-ocr": dict(model="sd3", reward="ocr", prompts="prompts/ocr_train.txt", n_mc=10, iterations=30,
                     adv_soft_clip=0.0, beta=0.3),
-    # the paper adds UnifiedReward, a VLM judge on a server: append ,unifiedreward@http://host:port/v1 to --reward
+    # the paper adds UnifiedReward, a VLM judge on a server (`vllm serve CodeGoat24/UnifiedReward-qwen-7b --port 8000`):
+    # append ,unifiedreward@http://localhost:8000/v1 to --reward (UNIFIEDREWARD_NOTE, printed at start without it)
     "flux-preference": dict(model="flux", reward="hpsv2:1,pickscore:1,imagereward:1"),
 }
 # The paper's SD3.5-M curriculum as one launch: its stages (a preset each) and their lengths, 580 iterations in all.
@@ -1072,7 +1080,7 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # the pipe
 
 
 class Family:
-    """What SD3 and FLUX share: prompt embeddings encoded once at start (or, when they would not fit, cached per
+    """What every model shares: prompt embeddings encoded once at start (or, when they would not fit, cached per
     prompt with the text encoders offloaded to the CPU between uses), mixed-precision forward passes, LoRA saving
     in the pipeline's own format."""
 
@@ -1321,6 +1329,21 @@ class QwenImageFamily(Family):
         self.side = 2 * (resolution // (pipe.vae_scale_factor * 2))
         self.latent_shape = ((self.side // 2) ** 2, pipe.transformer.config.in_channels)
         self.image_tokens = self.latent_shape[0]
+        self.text_tokens = max_sequence_length  # until encode_all has seen every prompt
+
+    def encode_all(self, prompts, path, write=True, batch_size=32):
+        """As Family's; then every prompt of the run is known, and the padding that all of them have (past the
+        longest, rounded up to 64 tokens) is cut from every forward: prompts are tens of tokens, the padding to
+        max_sequence_length would cost a fifth of the transformer's work at 512 px."""
+        stored = super().encode_all(prompts, path, write, batch_size)
+        if stored:
+            longest = int(self._stored[1].sum(1).max())
+            self.text_tokens = min(self.max_sequence_length, -(-longest // 64) * 64)
+        return stored
+
+    def encode(self, prompts):
+        emb, mask = super().encode(prompts)
+        return emb[:, :self.text_tokens], mask[:, :self.text_tokens]
 
     def encode_texts(self, prompts):
         emb, mask = self.pipe.encode_prompt(prompts, device=self.device, max_sequence_length=self.max_sequence_length)
@@ -1435,7 +1458,13 @@ def model_kind(model):
     if isinstance(index, str) and os.path.isfile(index):
         with open(index) as f:
             pipeline = json.load(f).get("_class_name", "")
-        return next((kind for kind, (cls, _) in PIPELINES.items() if cls == pipeline), "sd3")
+        kind = next((kind for kind, (cls, _) in PIPELINES.items() if cls == pipeline), None)
+        if kind is None and pipeline.startswith("Flux") and not pipeline.startswith("Flux2"):
+            kind = "flux"  # FLUX.1's other pipelines (Kontext, Fill, ...) hold the same parts
+        if kind is None:
+            raise UsageError(f"--model {model}: its pipeline is a {pipeline}, none of "
+                             f"{', '.join(cls for cls, _ in PIPELINES.values())}")
+        return kind
     lower = name.lower()
     return "qwen-image" if "qwen-image" in lower else "flux2-klein" if "flux.2-klein" in lower else \
         "flux" if "flux" in lower else "sd3"
@@ -1470,7 +1499,11 @@ def load_family(args, device):
     kw = dict(amp_dtype=amp, offload_text_encoders=offload)
     if kind == "flux":
         kw["guidance"] = args.guidance
-    return PIPELINES[kind][1](pipe, args.resolution, max_len, device, **kw)
+    family = PIPELINES[kind][1](pipe, args.resolution, max_len, device, **kw)
+    if kind == "flux2-klein" and not family.cfg and args.guidance > 1 and int(os.environ.get("RANK", 0)) == 0:
+        print(f"vgrpo: note: {args.model} is step-distilled: it takes no guidance (--guidance {args.guidance:g} is "
+              "ignored) and is made for --sample-steps 4", file=sys.stderr, flush=True)
+    return family
 
 
 def load_pipeline(name, kind, dtype):

@@ -93,7 +93,8 @@ VIT_H14 = dict(vision=dict(hidden_size=1280, intermediate_size=5120, num_hidden_
                projection_dim=1024)
 REWARD_OF = {"sd3": "PickScore (ViT-H/14)", "flux": "HPSv2.1 (ViT-H/14)", "qwen-image": "PickScore (ViT-H/14)",
              "flux2-klein": "PickScore (ViT-H/14)"}
-TITLES = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "qwen-image": "Qwen-Image", "flux2-klein": "FLUX.2 [klein] base 4B"}
+TITLES = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "qwen-image": "Qwen-Image",
+          "flux2-klein": "FLUX.2 [klein] base 4B"}
 WORLD = 8  # the recipes' processes
 REAL_GPU = False  # --gpu: measuring on this machine's GPU, not on fake CUDA
 AMP_OF = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}
@@ -335,7 +336,8 @@ def measure_phases(kind, full_finetune, fsdp):
     phases.append((f"rollout ({n} per pass)", *peak_bytes(
         lambda: vgrpo.rollout(family, family.transformer, tuple(t[:n] for t in cond), noise, two_steps, args,
                               negative)),
-        f"--sample-batch {args.sample_batch}, {args.sampler}" + (f", CFG {args.guidance:g}: {2 * n} rows" if cfg else "")))
+        f"--sample-batch {args.sample_batch}, {args.sampler}" + (f", CFG {args.guidance:g}: {2 * n} rows" if cfg
+                                                                   else "")))
     phases.append((f"VAE decode ({args.decode_batch} per pass)", *peak_bytes(
         lambda: vgrpo.decode(family, o, args.decode_batch)),
         f"all {samples} latents of the rollout, {args.resolution} px; VAE "
@@ -392,7 +394,8 @@ def write_report(results, path):
              "the GiB of live CUDA tensors at the phase's peak, the resident state included "
              "(transformer weights, LoRA / trained weights, AdamW states, the rollout's latents and conditioning, "
              "the decoded images for the reward). Measured under fake CUDA, not on a GPU, in "
-             "the seconds of CPU on a 2-core machine that each section gives where it was timed. Two runs differ by up to 0.4 GiB (when the garbage "
+             "the seconds of CPU on a 2-core machine that each section gives where it was timed. Two runs differ "
+             "by up to 0.4 GiB (when the garbage "
              "collector frees fake tensors), and under --fsdp by up to 1.1 GiB: FLUX.1-dev LoRA's resident row "
              "took 7.4-8.5 GiB over 6 runs, with Python's hash seed (which all-gathered buffers are still alive "
              "when a phase starts).", "",

@@ -50,6 +50,22 @@ def test_euler_rollout_and_decoding_reproduce_the_qwen_image_pipeline(use_hub_ca
     assert (fam.decode(got) - pictures).abs().max() < 1e-4
 
 
+def test_qwen_image_cuts_the_padding_every_prompt_of_the_run_has(use_hub_cache, tmp_path):
+    """After encode_all has seen every prompt, forwards carry the longest prompt's tokens rounded up to 64, not all
+    256: the same velocities (the cut tokens were masked), less work."""
+    fam, _ = family("qwen-image", max_sequence_length=256)
+    padded = fam.encode(PROMPTS)
+    assert fam.encode_all(PROMPTS + [" "], str(tmp_path / "embeddings.pt"))
+    longest = int(padded[1].sum(1).max())
+    assert fam.text_tokens == -(-longest // 64) * 64 < 256
+    cut = fam.encode(PROMPTS)
+    assert cut[0].shape[1] == cut[1].shape[1] == fam.text_tokens and fam.encode([" "])[0].shape[1] == fam.text_tokens
+    x, sigma = torch.randn(2, *fam.latent_shape, generator=torch.Generator().manual_seed(2)), torch.tensor([0.7, 0.2])
+    with torch.no_grad():
+        assert torch.allclose(fam.velocity(fam.transformer, x, sigma, cut),
+                              fam.velocity(fam.transformer, x, sigma, padded), atol=1e-5)
+
+
 @pytest.mark.parametrize("model,guidance", [("flux2-klein", 4.0), ("flux2-klein", 1.0), (KLEIN_DISTILLED, 1.0)])
 def test_euler_rollout_and_decoding_reproduce_the_flux2_klein_pipeline(use_hub_cache, model, guidance):
     """Qwen3's three stacked hidden layers through the chat template, 4D text and image ids, packed patchified

@@ -45,8 +45,8 @@ def test_the_score_is_the_final_score_over_five(answer, score):
 
 
 def test_the_instruction_holds_the_caption_and_the_judges_wording():
-    llava = reward.unifiedreward_instruction("a red cube", "CodeGoat24/UnifiedReward-7b-v1.5")
-    qwen = reward.unifiedreward_instruction("a red cube", "CodeGoat24/UnifiedReward-qwen-7b")
+    llava = reward.unifiedreward_instruction("a red cube", "llava")
+    qwen = reward.unifiedreward_instruction("a red cube", "qwen")
     for text in (llava, qwen):
         assert text.startswith("You are given a text caption and a generated image based on that caption.")
         assert text.endswith("Your task is provided as follows:\nText Caption: [a red cube]")
@@ -63,6 +63,7 @@ def test_the_spec_names_url_model_and_options():
     assert reward.parse_reward_spec("unifiedreward@http://h:8000") == [("unifiedreward@http://h:8000", 1.0)]
     assert reward.metric_name(spec) == "unifiedreward"
     for bad, why in (("unifiedreward@h:8000/v1", "expected unifiedreward@http"),
+                     ("unifiedreward@http://h:8000:0.5", "the port is not a number"),
                      ("unifiedreward@http://h/v1?modle=x", "unknown option 'modle'"),
                      ("unifiedreward@http://h/v1?concurrency=many", "is not a int")):
         with pytest.raises(ValueError, match=re.escape(why)):
@@ -143,7 +144,7 @@ def test_each_image_is_one_chat_request_as_the_peers_send_it(monkeypatch):
             assert set(body) == {"model", "messages", "temperature", "max_tokens"}  # transformers serve refuses others
             image_part, text_part = body["messages"][0]["content"]
             assert body["messages"][0]["role"] == "user" and text_part["type"] == "text"
-            assert text_part["text"] == reward.unifiedreward_instruction(caption, "judge")
+            assert text_part["text"] == reward.unifiedreward_instruction(caption, "llava")   # no qwen in 'judge'
             url = image_part["image_url"]["url"]
             assert image_part["type"] == "image_url" and url.startswith("data:image/png;base64,")
             sent = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
@@ -158,7 +159,31 @@ def test_requests_run_concurrently_up_to_the_limit():
         fn = reward.load_reward(f"unifiedreward@{server.base}?model=judge&concurrency=4")
         fn(_images(8), list(map(str, range(8))))
         assert server.most_active == 4                       # 8 requests, 4 at a time: two rounds of 0.3 s
-        assert 0.6 <= time.time() - t0 < 2.0
+        assert time.time() - t0 >= 0.6
+
+
+def test_the_judges_instruction_follows_the_model_id_or_the_spec(capsys):
+    with ChatServer({"a": "Final Score: 4"}, models=("my-served-name",)) as server:
+        for spec, kind in (("", "llava"), ("?instruction=qwen", "qwen"),
+                           ("?model=CodeGoat24/UnifiedReward-qwen-7b", "qwen")):
+            reward.load_reward(f"unifiedreward@{server.base}{spec}")(_images(1), ["a"])
+            assert server.bodies[-1][2]["messages"][0]["content"][1]["text"] == \
+                reward.unifiedreward_instruction("a", kind)
+            assert f"the {kind} judges' instruction" in capsys.readouterr().err
+        with pytest.raises(reward.RewardError, match="instruction='plain' is none of llava, qwen"):
+            reward.load_reward(f"unifiedreward@{server.base}?instruction=plain")
+
+
+def test_the_first_refusal_fails_the_batch_without_sending_the_rest():
+    answers = {str(i): "Final Score: 3" for i in range(8)}
+    with ChatServer(answers, fail_first=1, fail_code=400, delay=0.3) as server:
+        fn = reward.unifiedreward_reward(server.base, model="judge", concurrency=2, retries=0)
+        t0 = time.time()
+        with pytest.raises(reward.RewardError, match="refused the request"):
+            fn(_images(8), list(map(str, range(8))))
+        assert time.time() - t0 < 1.0                        # not the 4 rounds of 0.3 s the batch would take
+        time.sleep(0.5)
+        assert len(server.bodies) <= 3                       # the queued requests were never sent
 
 
 def test_busy_answers_are_retried_and_refusals_are_one_line():
@@ -262,3 +287,14 @@ def test_a_run_logs_the_share_of_answers_without_a_score(served_judge, tmp_path)
     assert 0 <= m["reward_unifiedreward_unparsed"] <= 1 and "reward_unifiedreward" in m and "reward_jpeg" in m
     if m["reward_unifiedreward_unparsed"] > 0:
         assert "an answer without 'Final Score: 1-5', scored 0" in proc.stderr
+
+
+def test_flux_preference_says_how_to_add_the_papers_fourth_reward(capsys, monkeypatch):
+    import vgrpo
+
+    monkeypatch.delenv("RANK", raising=False)
+    vgrpo.validate(vgrpo.parse_args(["--preset", "flux-preference"]), 1)
+    assert "vllm serve CodeGoat24/UnifiedReward-qwen-7b" in capsys.readouterr().err
+    spec = "hpsv2:1,pickscore:1,imagereward:1,unifiedreward@http://localhost:8000/v1"
+    vgrpo.validate(vgrpo.parse_args(["--preset", "flux-preference", "--reward", spec]), 1)
+    assert "UnifiedReward" not in capsys.readouterr().err

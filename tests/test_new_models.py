@@ -181,3 +181,18 @@ def test_two_processes_train_resume_exactly_and_the_lora_loads_into_the_pipeline
                            capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-2000:]
     assert "LORA 1 (1, 3, 32, 32)" in check.stdout and float(check.stdout.split()[-1]) > 0
+
+
+def test_a_pipeline_folder_of_another_class_is_named_not_loaded_as_sd3(tmp_path):
+    import json
+
+    for cls, kind in (("FluxKontextPipeline", "flux"), ("Flux2KleinPipeline", "flux2-klein"),
+                      ("QwenImagePipeline", "qwen-image"), ("WanPipeline", None)):
+        folder = tmp_path / cls
+        folder.mkdir()
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": cls}))
+        if kind:
+            assert vgrpo.model_kind(str(folder)) == kind
+        else:
+            with pytest.raises(vgrpo.UsageError, match="its pipeline is a WanPipeline, none of StableDiffusion3Pipeline"):
+                vgrpo.model_kind(str(folder))

@@ -70,7 +70,10 @@ def random_pipeline(kind, dtype, device, quick):
     import gpu
     from tests import hub_standins as standins
 
-    cls_name, _, _, scheduler, config, quick_config, _, _ = gpu.MODELS[kind]
+    import memory
+
+    cls_name, config, quick_config, _ = gpu.MODELS[kind]
+    scheduler = memory.SCHEDULERS[kind]
     config = quick_config if quick else config
     transformer = gpu.build_transformer(cls_name, config, device, dtype)
     vae = gpu.build_vae(kind, quick, device, dtype)

@@ -12,7 +12,9 @@ and the CLIP-based rewards load through exactly the code they run on a cluster, 
 Each stand-in keeps what the loaders and pipelines depend on: the real classes, the three text encoders of
 SD3.5 and the two of FLUX.1 with tokenizers at their real lengths (CLIP 77, T5 up to 512), 16 latent channels
 behind an 8x VAE with the real scaling and shift factors, SD3.5's patch size 2, RMS qk-norm and dual-attention
-block, FLUX.1's packed 64-channel input, guidance embedding and resolution-dependent shift, CLIP image
+block, FLUX.1's packed 64-channel input, guidance embedding and resolution-dependent shift, Qwen-Image's
+Qwen2.5-VL text encoder, video VAE with per-channel statistics and exponential shift, FLUX.2 [klein]'s 28-layer
+Qwen3 (it reads layers 9, 18, 27), batch-normalised VAE and 4D rotary ids (base and distilled, is_distilled), CLIP image
 processors at 224 px with CLIP's mean and std, the OpenCLIP checkpoint format of HPSv2.1, the state dict of
 the LAION aesthetic head, GenEval's Mask2Former detector (Swin backbone, the 80 COCO classes, 100 queries), and
 ImageReward.pt's layout (a BLIP ViT and BERT) with med_config.json and a bert-base-uncased tokenizer.

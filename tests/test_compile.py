@@ -49,10 +49,14 @@ def test_compiled_blocks_see_the_old_surrogates_numerics_and_stop_recompiling(tm
     # the old-surrogate pass (no gradients) and the update's first forward (gradients, checkpointing): one numerics
     assert first["on"]["ratio"] == 0.0 and first["off"]["ratio"] == 0.0
     assert graphs[0] == graphs[1] and graphs[2] > graphs[1] and graphs[3] == graphs[2]   # compiled once, then reused
-    for compiled, eager in zip(stats["on"], stats["off"]):                # the same training, to float rounding
-        for key in ("policy_loss", "grad_norm", "kl"):
-            assert compiled[key] == pytest.approx(eager[key], rel=1e-3, abs=1e-6), key
-        assert compiled["skipped_steps"] == 0
+    # the same training, to float rounding, over the first iteration's two inner steps (the second runs on weights
+    # the first step changed). Not after it: the next rollout starts from weights that differ by rounding, and the
+    # JPEG reward counts bytes, which a last-bit change of a pixel can change (measured with transformers 5.25 and
+    # torch 2.13: grad_norm 0.00188 compiled against 0.00210 eager at iteration 2, equal to 1e-7 at iteration 1)
+    compiled, eager = stats["on"][0], stats["off"][0]
+    for key in ("policy_loss", "grad_norm", "kl"):
+        assert compiled[key] == pytest.approx(eager[key], rel=1e-3, abs=1e-7), key
+    assert all(s["skipped_steps"] == 0 for s in stats["on"])
     assert stats["on"][1]["ratio_max"] > 1 or stats["on"][1]["ratio_min"] < 1       # the second inner step moved
 
 

@@ -442,8 +442,11 @@ def test_surrogate_gradient_is_the_velocitys_with_a_constant_weight(sd3, out_dir
 
 
 class AnalyticFamily:
-    """The model seam rollout() talks to (velocity(model, x, sigma, cond) and cfg) with the exact velocity of a
-    Gaussian flow plus one shift per conditioning row, so a wrong sampler or a conditioning row out of place shows."""
+    """The model seam rollout() talks to (velocity(model, x, sigma, cond), cfg and guide, vgrpo.Family's CFG) with the
+    exact velocity of a Gaussian flow plus one shift per conditioning row, so a wrong sampler or a conditioning row
+    out of place shows."""
+
+    guide = vgrpo.Family.guide
 
     def __init__(self, cfg):
         self.cfg, self.gaussian = cfg, gaussian_velocity(0.6)

@@ -1209,6 +1209,18 @@ class Family:
         """Classifier-free guidance of two velocities (the rollout's, with --guidance > 1 where cfg is True)."""
         return v_uncond + scale * (v_cond - v_uncond)
 
+    def pack_latents(self, pipe, resolution):
+        """FLUX.1's, FLUX.2's and Qwen-Image's layout: 2x2 latent patches as tokens, (h/2 * w/2, 4C), the transformer's
+        input channels; side is the unpacked latent side."""
+        self.side = 2 * (resolution // (pipe.vae_scale_factor * 2))
+        self.latent_shape = ((self.side // 2) ** 2, pipe.transformer.config.in_channels)
+        self.image_tokens = self.latent_shape[0]
+
+    @staticmethod
+    def pipeline_timestep(sigma, x):
+        """sigma as those pipelines hand it to their transformers, bit for bit: (sigma * 1000) in x's dtype / 1000."""
+        return (sigma * 1000).to(x.device).expand(x.shape[0]).to(x.dtype) / 1000
+
     def vae_decode(self, latents):
         vae = self.pipe.vae
         latents = latents / vae.config.scaling_factor + vae.config.shift_factor
@@ -1274,10 +1286,7 @@ class FluxFamily(Family):
 
     def __init__(self, pipe, resolution, max_sequence_length, device, guidance=3.5, **kw):
         super().__init__(pipe, resolution, max_sequence_length, device, **kw)
-        self.side = 2 * (resolution // (pipe.vae_scale_factor * 2))     # unpacked latent side
-        channels = pipe.transformer.config.in_channels // 4
-        self.latent_shape = ((self.side // 2) ** 2, channels * 4)        # (tokens, 4C)
-        self.image_tokens = self.latent_shape[0]
+        self.pack_latents(pipe, resolution)
         self.img_ids = pipe._prepare_latent_image_ids(1, self.side // 2, self.side // 2, device, torch.float32)
         self.guidance = guidance if pipe.transformer.config.guidance_embeds else None
 
@@ -1288,7 +1297,7 @@ class FluxFamily(Family):
 
     def velocity(self, model, x, sigma, cond):
         emb, pooled = cond
-        t = (sigma * 1000).to(x.device).expand(x.shape[0]).to(x.dtype) / 1000  # exactly the pipeline's timestep
+        t = self.pipeline_timestep(sigma, x)
         guidance = None if self.guidance is None else torch.full((x.shape[0],), self.guidance, device=x.device)
         txt_ids = torch.zeros(emb.shape[1], 3, device=x.device)
         with self.autocast():
@@ -1326,9 +1335,7 @@ class QwenImageFamily(Family):
 
     def __init__(self, pipe, resolution, max_sequence_length, device, **kw):
         Family.__init__(self, pipe, resolution, max_sequence_length, device, **kw)
-        self.side = 2 * (resolution // (pipe.vae_scale_factor * 2))
-        self.latent_shape = ((self.side // 2) ** 2, pipe.transformer.config.in_channels)
-        self.image_tokens = self.latent_shape[0]
+        self.pack_latents(pipe, resolution)
         self.text_tokens = max_sequence_length  # until encode_all has seen every prompt
 
     def encode_all(self, prompts, path, write=True, batch_size=32):
@@ -1353,7 +1360,7 @@ class QwenImageFamily(Family):
 
     def velocity(self, model, x, sigma, cond):
         emb, mask = cond
-        t = (sigma * 1000).to(x.device).expand(x.shape[0]).to(x.dtype) / 1000
+        t = self.pipeline_timestep(sigma, x)
         shapes = [[(1, self.side // 2, self.side // 2)]] * x.shape[0]    # one frame of h/2 x w/2 tokens per row
         with self.autocast():
             v = model(hidden_states=x, timestep=t, encoder_hidden_states=emb.to(x.dtype),
@@ -1395,9 +1402,7 @@ class Flux2KleinFamily(Family):
     def __init__(self, pipe, resolution, max_sequence_length, device, **kw):
         Family.__init__(self, pipe, resolution, max_sequence_length, device, **kw)
         self.cfg = not pipe.config.is_distilled
-        self.side = 2 * (resolution // (pipe.vae_scale_factor * 2))
-        self.latent_shape = ((self.side // 2) ** 2, pipe.transformer.config.in_channels)
-        self.image_tokens = self.latent_shape[0]
+        self.pack_latents(pipe, resolution)
         grid = torch.zeros(1, self.latent_shape[1], self.side // 2, self.side // 2)
         self.img_ids = pipe._prepare_latent_ids(grid)[0].to(device)              # (tokens, 4): (0, row, column, 0)
 
@@ -1417,7 +1422,7 @@ class Flux2KleinFamily(Family):
 
     def velocity(self, model, x, sigma, cond):
         emb, = cond
-        t = (sigma * 1000).to(x.device).expand(x.shape[0]).to(x.dtype) / 1000
+        t = self.pipeline_timestep(sigma, x)
         txt_ids = self.pipe._prepare_text_ids(emb[:1])[0].to(x.device)          # (tokens, 4): (0, 0, 0, index)
         with self.autocast():
             v = model(hidden_states=x, timestep=t, guidance=None, encoder_hidden_states=emb.to(x.dtype),

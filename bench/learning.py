@@ -346,13 +346,25 @@ STEP = {"V-GRPO": elbo_iteration, "naive ELBO": elbo_iteration, "MDP": mdp_itera
 
 @torch.no_grad()
 def evaluate(learner, family, sigmas, inputs, reward_fn, check_fn=None):
-    """Mean reward of the deterministic DPM-Solver++ samples on the fixed evaluation set (and the check's mean)."""
+    """Mean reward of the deterministic DPM-Solver++ samples on the fixed evaluation set -> (that, the check's
+    mean or None, the images' diversity: vgrpo.pixel_diversity of each prompt's images, averaged over prompts)."""
     args = types.SimpleNamespace(sampler="dpmpp2m", guidance=1.0, micro_batch=learner.setup.micro_batch,
                                  sample_batch=learner.setup.micro_batch)
     o = vgrpo.rollout(family, learner.model, inputs["cond"], inputs["noise"], sigmas, args)
     images = decode(family, o, args.micro_batch)
     value = reward_fn(images, inputs["prompts"]).mean().item()
-    return value if check_fn is None else (value, check_fn(images, inputs["prompts"]).mean().item())
+    check = None if check_fn is None else check_fn(images, inputs["prompts"]).mean().item()
+    return value, check, diversity(images, inputs["prompts"])
+
+
+def diversity(images, prompts):
+    """The mean over prompts of vgrpo.pixel_diversity of each prompt's images (0 when each prompt's images are one
+    picture); the eval.jsonl's eval_diversity of vgrpo.py's own evaluation."""
+    groups = {}
+    for image, prompt in zip(images, prompts):
+        groups.setdefault(prompt, []).append(image)
+    values = [vgrpo.pixel_diversity(torch.stack(g)) for g in groups.values() if len(g) > 1]
+    return sum(values) / len(values) if values else 0.0
 
 
 # --------------------------------------------------------------------------- one job: a reward and a seed
@@ -375,13 +387,14 @@ def run_job(task, seed, setup, family=None, verbose=True, methods=None, target_g
         raise ValueError("learner names must be distinct")
     ev = eval_inputs(family, eval_prompts, setup, seed)
     check = rewards_lib.load_reward(CHECKS[task]) if task in CHECKS else None
-    out = {l.name: {"settings": l.settings, "train": [], "eval": [], "check": []} for l in learners}
+    out = {l.name: {"settings": l.settings, "train": [], "eval": [], "check": [], "diversity": []} for l in learners}
 
     def record(l, it):
-        value = evaluate(l, family, sigmas, ev, eval_fn, check)
-        out[l.name]["eval"].append((it, value[0] if check else value))
+        value, check_value, spread = evaluate(l, family, sigmas, ev, eval_fn, check)
+        out[l.name]["eval"].append((it, value))
+        out[l.name]["diversity"].append((it, spread))
         if check:
-            out[l.name]["check"].append((it, value[1]))
+            out[l.name]["check"].append((it, check_value))
 
     for l in learners:
         record(l, 0)

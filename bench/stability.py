@@ -4,6 +4,7 @@
     python bench/stability.py --configs default,lr-3e-4 --seeds 0
     python bench/stability.py --report                 # tables and plot from the runs already made (copies too)
     python bench/stability.py --quick --work /tmp/s    # 4 iterations, two candidates, one seed (test_bench.py)
+    python bench/stability.py --methods                # V-GRPO, DiffusionNFT, MixGRPO: 240 iterations, seeds 1-3
 
 Each run is the demo's command as a user launches it, `python vgrpo.py --iterations 240 --eval-every 20 --seed S`
 plus the candidate's flags, in its own process, one at a time (two at once on 2 cores run 4x slower). A run whose
@@ -42,6 +43,14 @@ CONFIGS = {
 }
 JUDGES = {"CNN": "eval_digit_correct", "k-NN": "eval_digit_knn"}
 
+# The paper's stability claim: V-GRPO and two baselines of the headline (bench/run.py), each at the setting its
+# one-step sweep chose (full fine-tuning of the digits transformer, one optimizer step per rollout, V-GRPO's
+# advantages soft-clipped at 3: SD3.5-M's regime), all in one bench/learning.py process per seed, on the
+# headline's measured seeds (1-3; its sweep ran on 0)
+METHOD_KINDS = ("V-GRPO", "DiffusionNFT", "MixGRPO")
+METHOD_SEEDS = "1,2,3"
+HEADLINE_SWEEP = os.path.join(RESULTS, "headline", "one-step", "sweep.json")
+
 
 def earlier_runs(copies, iterations):
     """{(name, seed): eval rows} of the complete runs whose copies are in `copies` (results/stability/)."""
@@ -73,6 +82,54 @@ def run_one(name, seed, work, iterations, eval_every, threads):
                        env=dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1"))
     print(f"  done in {time.time() - start:.0f} s", flush=True)
     return rows_of(eval_file)
+
+
+def method_specs(sweep_path=HEADLINE_SWEEP):
+    """The learner specs of METHOD_KINDS the headline's one-step sweep chose (bench/run.py's choose)."""
+    import run
+    with open(sweep_path) as f:
+        chosen = run.choose(json.load(f))
+    return [{k: v for k, v in chosen[kind].items() if k != "target_gain"} for kind in METHOD_KINDS]
+
+
+def run_methods(seed, work, iterations, eval_every, threads, specs, setup=None):
+    """One bench/learning.py job training the three methods side by side, or nothing if its output exists ->
+    {method: eval rows} as run_one's (eval_digit_correct: the CNN, eval_digit_knn: the k-NN, eval_diversity)."""
+    import run
+    out = os.path.join(work, f"methods-seed{seed}.json")
+    if not os.path.isfile(out):
+        command = [sys.executable, os.path.join(HERE, "learning.py"), "--reward", "digits", "--seed", str(seed),
+                   "--setup", json.dumps(setup or run.REGIMES["one-step"]), "--iterations", str(iterations),
+                   "--eval-every", str(eval_every), "--run-to-end", "--methods", json.dumps(specs),
+                   "--threads", str(threads), "--out", out]
+        print(f"methods seed {seed}: {' '.join(command[1:])}", flush=True)
+        start = time.time()
+        with open(out.replace(".json", ".log"), "w") as log:
+            subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
+                           env=dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1"))
+        print(f"  done in {time.time() - start:.0f} s", flush=True)
+    return method_rows(out)
+
+
+def method_rows(path):
+    """A bench/learning.py output -> {method: eval rows}, keyed as vgrpo.py's eval.jsonl."""
+    with open(path) as f:
+        result = json.load(f)
+    return {name: [{"iteration": it, "eval_digit_correct": cnn, "eval_digit_knn": knn, "eval_diversity": d}
+                   for (it, cnn), (_, knn), (_, d) in zip(m["eval"], m["check"], m["diversity"])]
+            for name, m in result["methods"].items()}
+
+
+def earlier_methods(copies, iterations):
+    """{(method, seed): eval rows} of the complete method runs whose copies are in `copies`."""
+    runs = {}
+    for file in sorted(os.listdir(copies)):
+        seed = file[len("methods-seed"):-len(".json")]
+        if file.startswith("methods-seed") and file.endswith(".json") and seed.isdigit():
+            for name, rows in method_rows(os.path.join(copies, file)).items():
+                if rows and rows[-1]["iteration"] == iterations:
+                    runs[name, int(seed)] = rows
+    return runs
 
 
 def rows_of(path):
@@ -112,44 +169,83 @@ def mean_sd(values):
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
 
 
-def report(runs, iterations, eval_every, out_dir):
-    """runs: {(name, seed): eval rows} -> the markdown, and the plot beside it."""
+def summary_rows(runs, summaries, names, label):
+    """One table row per candidate (or method) `name`: mean ± std over its seeds, the worst seed's fall."""
+    lines = []
+    for name in names:
+        s = [summaries[k] for k in sorted(runs) if k[0] == name]
+        seeds = [k[1] for k in sorted(runs) if k[0] == name]
+        cnn, knn = [x["CNN"] for x in s], [x["k-NN"] for x in s]
+        lines.append(
+            f"| {name} | {label(name)} | {','.join(map(str, seeds))} | "
+            f"{mean_sd([c['at_80'] for c in cnn])} | {mean_sd([c['peak'] for c in cnn])} | "
+            f"{mean_sd([c['final'] for c in cnn])} | {max(c['fall'] for c in cnn):.3f} | "
+            f"{mean_sd([k['peak'] for k in knn])} | {mean_sd([k['final'] for k in knn])} | "
+            f"{max(k['fall'] for k in knn):.3f} | {mean_sd([x['diversity']['start'] for x in s])} -> "
+            f"{mean_sd([x['diversity']['final'] for x in s])} |")
+    return lines
+
+
+def per_run_rows(runs, summaries, order, per_digit=True):
+    """One row per run; `per_digit`: the digits whose held-out accuracy ends at 0 (vgrpo.py's runs log them)."""
+    lines = []
+    for (name, seed) in sorted(runs, key=lambda k: (order.index(k[0]), k[1])):
+        x = summaries[name, seed]
+        c, k = x["CNN"], x["k-NN"]
+        zeros = f" {', '.join(x['digits_at_zero']) or '-'} |" if per_digit else ""
+        lines.append(f"| {name} | {seed} | {c['peak']:.3f} ({c['peak_at']}) / {k['peak']:.3f} ({k['peak_at']}) | "
+                     f"{c['final']:.3f} / {k['final']:.3f} | {c['fall']:.3f} / {k['fall']:.3f} |{zeros}")
+    return lines
+
+
+TABLE_HEAD = ["| {} | {} | seeds | CNN at 80 | CNN peak | CNN final | CNN fall (worst seed) | k-NN peak | "
+              "k-NN final | k-NN fall (worst seed) | diversity start -> end |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+RUN_HEAD = ["| {} | seed | peak (at) | final | fall | digits at 0 in the end |", "| --- | --- | --- | --- | --- | --- |"]
+METHOD_RUN_HEAD = ["| method | seed | peak (at) | final | fall |", "| --- | --- | --- | --- | --- |"]
+
+
+def report(runs, iterations, eval_every, out_dir, method_runs=None, specs=None):
+    """runs: {(name, seed): eval rows} of the demo's candidates, method_runs: the same of the three methods (their
+    settings `specs`) -> the markdown, and the plots beside it."""
+    method_runs = method_runs or {}
     summaries = {key: summarize_run(rows) for key, rows in runs.items()}
     names = [n for n in CONFIGS if any(k[0] == n for k in runs)]
     lines = ["# Long runs of the CPU demo (`bench/stability.py`)", "",
              f"`python vgrpo.py --iterations {iterations} --eval-every {eval_every} --seed S` plus each candidate's "
              "flags, "
              "held-out accuracy of 20 prompts x 8 images by the two judges. fall: the largest drop below the best "
-             "reached before (the target: at most 0.05 on every seed). Mean ± std over the seeds run.", "",
-             "| candidate | flags | seeds | CNN at 80 | CNN peak | CNN final | CNN fall (worst seed) | k-NN peak | "
-             "k-NN final | k-NN fall (worst seed) | diversity start -> end |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name in names:
-        s = [summaries[k] for k in sorted(runs) if k[0] == name]
-        seeds = [k[1] for k in sorted(runs) if k[0] == name]
-        cnn, knn = [x["CNN"] for x in s], [x["k-NN"] for x in s]
-        lines.append(
-            f"| {name} | `{' '.join(CONFIGS[name]) or '(the demo)'}` | {','.join(map(str, seeds))} | "
-            f"{mean_sd([c['at_80'] for c in cnn])} | {mean_sd([c['peak'] for c in cnn])} | "
-            f"{mean_sd([c['final'] for c in cnn])} | {max(c['fall'] for c in cnn):.3f} | "
-            f"{mean_sd([k['peak'] for k in knn])} | {mean_sd([k['final'] for k in knn])} | "
-            f"{max(k['fall'] for k in knn):.3f} | {mean_sd([x['diversity']['start'] for x in s])} -> "
-            f"{mean_sd([x['diversity']['final'] for x in s])} |")
-    lines += ["", "Per run (CNN / k-NN):", "",
-              "| candidate | seed | peak (at) | final | fall | digits at 0 in the end |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for (name, seed) in sorted(runs, key=lambda k: (list(CONFIGS).index(k[0]), k[1])):
-        x = summaries[name, seed]
-        c, k = x["CNN"], x["k-NN"]
-        lines.append(f"| {name} | {seed} | {c['peak']:.3f} ({c['peak_at']}) / {k['peak']:.3f} ({k['peak_at']}) | "
-                     f"{c['final']:.3f} / {k['final']:.3f} | {c['fall']:.3f} / {k['fall']:.3f} | "
-                     f"{', '.join(x['digits_at_zero']) or '-'} |")
+             "reached before (the target: at most 0.05 on every seed). Mean ± std over the seeds run."]
+    if runs:
+        lines += ["", TABLE_HEAD[0].format("candidate", "flags"), TABLE_HEAD[1],
+                  *summary_rows(runs, summaries, names, lambda n: f"`{' '.join(CONFIGS[n]) or '(the demo)'}`"),
+                  "", "Per run (CNN / k-NN):", "", RUN_HEAD[0].format("candidate"), RUN_HEAD[1],
+                  *per_run_rows(runs, summaries, list(CONFIGS))]
+    if method_runs:
+        method_summaries = {key: summarize_run(rows) for key, rows in method_runs.items()}
+        kinds = [k for k in METHOD_KINDS if any(key[0] == k for key in method_runs)]
+        settings = {m["name"]: ", ".join(f"{k} {v:g}" for k, v in m.items() if k not in ("name", "kind"))
+                    for m in specs or []}
+        lines += ["", f"## V-GRPO, DiffusionNFT and MixGRPO to {iterations} iterations", "",
+                  f"`python bench/stability.py --methods`: one `bench/learning.py --reward digits --iterations "
+                  f"{iterations} --eval-every {eval_every} --run-to-end` per seed, training the three side by side "
+                  "from the same pretrained digits model on the same prompts and noises; each at the setting the "
+                  "headline's one-step sweep chose (full fine-tuning, one optimizer step per rollout, V-GRPO's "
+                  "advantages soft-clipped at 3; not the demo's LoRA), evaluated with the deterministic sampler on "
+                  "the same 20 held-out prompts x 8 images as the demo's candidates above.", "",
+                  TABLE_HEAD[0].format("method", "settings"), TABLE_HEAD[1],
+                  *summary_rows(method_runs, method_summaries, kinds, lambda n: settings.get(n, "")),
+                  "", "Per run (CNN / k-NN):", "", *METHOD_RUN_HEAD,
+                  *per_run_rows(method_runs, method_summaries, list(METHOD_KINDS), per_digit=False)]
+        plot(method_runs, kinds, os.path.join(out_dir, "stability-methods.png"))
     path = os.path.join(out_dir, "stability.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out_dir, "stability.json"), "w") as f:
-        json.dump({f"{n}-seed{s}": dict(summary=summaries[n, s], rows=runs[n, s]) for n, s in runs}, f, indent=1)
-    plot(runs, names, os.path.join(out_dir, "stability.png"))
+        json.dump({**{f"{n}-seed{s}": dict(summary=summaries[n, s], rows=runs[n, s]) for n, s in runs},
+                   **{f"method {n}-seed{s}": dict(rows=rows) for (n, s), rows in method_runs.items()}}, f, indent=1)
+    if runs:
+        plot(runs, names, os.path.join(out_dir, "stability.png"))
     return path
 
 
@@ -182,7 +278,7 @@ def plot(runs, names, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--seeds", help="comma-separated (default 0,1,2; with --methods 1,2,3)")
     p.add_argument("--iterations", type=int, default=240)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run")
@@ -190,17 +286,24 @@ def main(argv=None):
     p.add_argument("--out", default=RESULTS, help="where stability.md / .json / .png and the eval.jsonl copies go")
     p.add_argument("--report", action="store_true", help="run nothing: report the runs found in --work")
     p.add_argument("--quick", action="store_true", help="4 iterations, evaluated every 2: the script's own test")
+    p.add_argument("--methods", action="store_true", help="run V-GRPO, DiffusionNFT and MixGRPO side by side "
+                   f"(bench/learning.py) instead of the demo's candidates; --seeds default {METHOD_SEEDS}")
     a = p.parse_args(argv)
     if a.quick:
-        a.iterations, a.eval_every, a.configs, a.seeds = 4, 2, "default,no-std", "0"
-    names, seeds = a.configs.split(","), [int(s) for s in a.seeds.split(",")]
+        a.iterations, a.eval_every, a.configs = 4, 2, "default,no-std"
+        a.seeds = "1" if a.methods else "0"
+    names, seeds = a.configs.split(","), [int(s) for s in (a.seeds or (METHOD_SEEDS if a.methods else "0,1,2"))
+                                          .split(",")]
     if not set(names) <= set(CONFIGS):
         p.error(f"--configs: choose from {', '.join(CONFIGS)}")
     os.makedirs(a.work, exist_ok=True)
     copies = os.path.join(a.out, "stability")
     os.makedirs(copies, exist_ok=True)
-    runs = {} if a.quick else earlier_runs(copies, a.iterations)   # the tables keep every run made before
-    for name in names:
+    # the tables keep every run made before
+    runs = {} if a.quick else earlier_runs(copies, a.iterations)
+    method_runs = {} if a.quick else earlier_methods(copies, a.iterations)
+    specs = method_specs()
+    for name in [] if a.methods else names:
         for seed in seeds:
             eval_file = os.path.join(a.work, f"{name}-seed{seed}", "eval.jsonl")
             if (name, seed) in runs:          # made before: its copy is in results/stability/
@@ -211,10 +314,25 @@ def main(argv=None):
                 continue
             runs[name, seed] = run_one(name, seed, a.work, a.iterations, a.eval_every, a.threads)
             shutil.copy(eval_file, os.path.join(copies, f"{name}-seed{seed}.eval.jsonl"))
-            report(runs, a.iterations, a.eval_every, a.out)   # after every run: an interrupted sweep keeps its tables
-    if not runs:
+            # after every run: an interrupted sweep keeps its tables
+            report(runs, a.iterations, a.eval_every, a.out, method_runs, specs)
+    for seed in seeds if a.methods and not a.report else []:
+        if any(key[1] == seed for key in method_runs):
+            continue
+        # quick: a small evaluation set, fewer sampling steps
+        setup = dict(run_regime(), eval_samples=16, eval_prompts=2, sample_steps=4) if a.quick else None
+        rows = run_methods(seed, a.work, a.iterations, a.eval_every, a.threads, specs, setup)
+        method_runs.update({(name, seed): r for name, r in rows.items()})
+        shutil.copy(os.path.join(a.work, f"methods-seed{seed}.json"), os.path.join(copies, f"methods-seed{seed}.json"))
+        report(runs, a.iterations, a.eval_every, a.out, method_runs, specs)
+    if not runs and not method_runs:
         p.error(f"no runs in {a.work}")
-    print(f"wrote {report(runs, a.iterations, a.eval_every, a.out)}")
+    print(f"wrote {report(runs, a.iterations, a.eval_every, a.out, method_runs, specs)}")
+
+
+def run_regime():
+    import run
+    return dict(run.REGIMES["one-step"])
 
 
 if __name__ == "__main__":

@@ -434,6 +434,51 @@ def test_stability_quick_mode_runs_the_demo_per_candidate_and_reports_from_its_e
     assert again.returncode == 0 and "seed 0:" not in again.stdout    # both runs were complete: nothing reran
 
 
+def test_learning_diversity_is_the_mean_over_prompts_of_each_prompts_pixel_diversity():
+    """bench/learning.py's evaluation diversity: per prompt the mean pairwise RMS pixel distance of its images,
+    averaged over prompts (images in any order): two equal images score 0, a black and a white one 1."""
+    import learning
+
+    black, white, grey = torch.zeros(3, 4, 4), torch.ones(3, 4, 4), torch.full((3, 4, 4), 0.5)
+    images = torch.stack([black, grey, white, grey])
+    prompts = ["a two", "a one", "a two", "a one"]
+    assert learning.diversity(images, prompts) == pytest.approx((1.0 + 0.0) / 2)
+    # three images of one prompt, grey rounded to 128 of 255: pairs (black, white) 1, (black, grey) 128 / 255,
+    # (grey, white) 127 / 255
+    assert learning.diversity(torch.stack([black, white, grey]), ["a"] * 3) == pytest.approx((1 + 255 / 255) / 3)
+    assert learning.diversity(torch.stack([grey, grey]), ["a", "b"]) == 0.0        # no prompt with two images
+
+
+@pytest.mark.slow
+def test_stability_methods_mode_trains_the_headlines_choices_side_by_side_and_reports_them(tmp_path):
+    """bench/stability.py --methods --quick: one bench/learning.py job with V-GRPO, DiffusionNFT and MixGRPO at the
+    settings the headline's one-step sweep chose; the report's rows follow from the job's curves (CNN = its eval,
+    k-NN = its check, the diversity); its copy is kept and a second call runs nothing (about 35 s)."""
+    import stability
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    command = [sys.executable, os.path.join(ROOT, "bench", "stability.py"), "--methods", "--quick", "--work", str(work),
+               "--out", str(out), "--threads", "1"]
+    p = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    result = json.loads((work / "methods-seed1.json").read_text())
+    assert [m["settings"] for m in result["methods"].values()] == stability.method_specs()
+    assert [m["kind"] for m in stability.method_specs()] == ["V-GRPO", "DiffusionNFT", "MixGRPO"]
+    assert result["setup"]["adv_soft_clip"] == 3.0 and result["setup"]["inner_steps"] == 1
+    rows = stability.method_rows(str(out / "stability" / "methods-seed1.json"))
+    md = (out / "stability.md").read_text()
+    for name, m in result["methods"].items():
+        assert [r["iteration"] for r in rows[name]] == [0, 2, 4]
+        assert [r["eval_digit_correct"] for r in rows[name]] == [v for _, v in m["eval"]]
+        assert [r["eval_digit_knn"] for r in rows[name]] == [v for _, v in m["check"]]
+        assert all(0 < r["eval_diversity"] < 0.5 for r in rows[name])
+        s = stability.summarize_run(rows[name])
+        assert f"| {name} | 1 | {s['CNN']['peak']:.3f} ({s['CNN']['peak_at']}) / {s['k-NN']['peak']:.3f}" in md
+    assert "| DiffusionNFT | lr 0.0001, beta 1 | 1 |" in md and (out / "stability-methods.png").stat().st_size > 10_000
+    again = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "methods seed 1:" not in again.stdout
+
+
 @pytest.mark.slow
 def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_loudly(tmp_path):
     """bench/smoke.py --quick: every configuration (the digits demo, SD3 LoRA and full fine-tuning, FLUX LoRA, FLUX

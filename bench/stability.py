@@ -38,7 +38,7 @@ CONFIGS = {
     "std-floor-0.1": ["--adv-std-floor", "0.1"],
     "kl-0.3": ["--beta", "0.3"],                     # the paper's KL weight in its last SD3.5-M stage
     "soft-clip-1": ["--adv-soft-clip", "1"],
-    "group-16": ["--group-size", "16"],
+    "group-16": ["--group-size", "16", "--prompts-per-step", "2"],  # the same 32 images per iteration
     "ema-0.95": ["--ema", "0.95"],                   # the evaluation reads an EMA of the LoRA (horizon ~20 steps)
 }
 JUDGES = {"CNN": "eval_digit_correct", "k-NN": "eval_digit_knn"}

@@ -114,7 +114,9 @@ class Args:
     stratified: bool = arg(True, "stratify the pairs' sigmas over the sigma grid (--no-stratified to turn off)")
     weighting: str = arg("adaptive", "surrogate weighting: adaptive (self-normalised) or none (plain MSE)")
     clip_eps: float = arg(0.01, "PPO ratio clip range (small: the ratio of a whole image moves fast)")
-    beta: float = arg(0.0, "weight of the KL-to-sampling-policy term (0.3 in the paper's last SD3.5 stage)")
+    beta: float = arg(0.0, "weight of the KL term (0.3 in the paper's last SD3.5 stage)")
+    kl_to: str = arg("sampling", "the KL's reference: sampling (the policy that drew the batch, the paper's (7)) or "
+                                 "initial (the model before training, LoRA switched off: Flow-GRPO's reference)")
     adv_soft_clip: float = arg(None, "eta for A <- eta * tanh(A / eta); 0 turns it off (default: 3 for SD3, as the "
                                      "paper's on-policy SD3.5 runs; 0 otherwise)")
     adv_std_floor: float = arg(0.0, "advantages divide by max(group std, this) + 1e-4 (0: the group std, as GRPO; 1 "
@@ -125,9 +127,8 @@ class Args:
                                  "tiny / 4))")
     sample_batch: int = arg(None, "samples per transformer pass in rollouts and evaluation: no gradients, no kept "
                                   "activations, so larger than --micro-batch (24 SD3, 12 FLUX, 32 digits, 16 tiny)")
-    decode_batch: int = arg(None, "images per VAE decoding pass: at 512-720 px the decoder's activations, not the "
-                                  "transformer's, would set the peak memory of a whole rollout batch (4 SD3, 2 FLUX, "
-                                  "32 digits, 16 tiny)")
+    decode_batch: int = arg(None, "images per VAE decoding pass (the decoder's activations would otherwise set the "
+                                  "peak memory at 512-720 px; 4 SD3, 2 FLUX, 32 digits, 16 tiny)")
     lr: float = arg(None, "AdamW learning rate (default: 2e-3 for tiny, 1e-3 for digits, 3e-4 with LoRA, "
                           "1e-5 for full fine-tuning)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
@@ -180,12 +181,11 @@ class Args:
 
 
 # Every model's defaults in one place. Real models: the paper's settings (docs/method.md gives the source of each
-# value, and marks what no public source settles). SD3.5-M: one stage of its curriculum, 48 prompts x 24 images,
-# 40-step DPM-Solver++ without CFG, one optimizer step per iteration with the advantage soft clip. FLUX.1-dev: 16-step
-# DPM-Solver++, several clipped steps per iteration; 12 images per prompt at 720 px (MixGRPO's setting on the same
-# benchmark). Qwen-Image, FLUX.2 [klein] base: Flow-GRPO's, Flow-Factory's PickScore recipes. digits (the CPU demo): the
-# pretrained miniature of digits/, LoRA on a verifiable reward with a held-out evaluation. The tiny random models are
-# fully fine-tuned at 2e-3: LoRA on their few weights learns far less in minutes.
+# value, and marks what no public source settles). SD3.5-M: one curriculum stage, 48 prompts x 24 images, 40-step
+# DPM-Solver++ without CFG, one optimizer step per iteration with the advantage soft clip. FLUX.1-dev: 16 steps,
+# several clipped steps per iteration, 12 images per prompt at 720 px (MixGRPO's setting). Qwen-Image, FLUX.2 [klein]
+# base: Flow-GRPO's, Flow-Factory's PickScore recipes. digits (the CPU demo): the pretrained miniature of digits/, LoRA
+# on a verifiable reward, a held-out evaluation. Tiny random models: full fine-tuning at 2e-3 (LoRA learns too little).
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_IDS = {"sd3": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev",
              "qwen-image": "Qwen/Qwen-Image", "flux2-klein": "black-forest-labs/FLUX.2-klein-base-4B",
@@ -303,10 +303,10 @@ def elbo_surrogate(v_pred, o, sigmas, eps, weighting="adaptive"):
 
 
 def vgrpo_loss(s_new, s_old, advantages, clip_eps, beta=0.0, x0_new=None, x0_old=None):
-    """PPO-clip on the surrogate ratio plus an optional KL to the sampling policy (docs/method.md, step 6).
+    """PPO-clip on the surrogate ratio plus an optional KL term (docs/method.md, step 6).
 
     ratio = exp(s_new - s_old); loss = -mean(min(ratio A, clamp(ratio, 1 - clip_eps, 1 + clip_eps) A))
-    + beta * mean((x0_new - x0_old)^2), the KL to the sampling policy taken as the mean squared difference of
+    + beta * mean((x0_new - x0_old)^2), the KL to the reference (--kl-to) taken as the mean squared difference of
     the two x-predictions on the same pairs (logged as `kl`). Returns (loss, stats); stats are detached 0-dim
     tensors, so that a caller on a GPU reads them once per iteration instead of synchronising at every micro-batch.
     """
@@ -445,6 +445,8 @@ def train_iteration(run, it):
         batch = {"o": o, "cond": cond, "A": A, "sigmas": sigmas, "eps": eps.to(o.dtype)}
         if args.inner_steps > 1:
             batch["s_old"], batch["x0_old"] = old_surrogate(family, family.transformer, batch, args, run.n_prompts)
+        if args.beta > 0 and args.kl_to == "initial":  # the KL's reference: x0_hat of the model before training
+            batch["x0_ref"] = initial_x0(family, batch, args, run.n_prompts)
     # 5. Clipped-ratio update
     with timer("update"):
         stats = update(family, run.model, run.optimizer, run.params, batch, args, run.n_prompts, run.scaler)
@@ -575,6 +577,7 @@ def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None
                 s_old, x0_old = s_new.detach(), x0_new.detach()
             else:
                 s_old, x0_old = batch["s_old"][idx], batch["x0_old"][idx] if args.beta > 0 else None
+            x0_old = batch["x0_ref"][idx] if "x0_ref" in batch else x0_old  # --kl-to initial
             x0_pair = (x0_new, x0_old) if args.beta > 0 else (None, None)  # the KL term only where it is weighted
             loss, st = vgrpo_loss(s_new, s_old, batch["A"][idx], args.clip_eps, args.beta, *x0_pair)
             part = loss * len(idx) / minibatch_size
@@ -786,6 +789,7 @@ CHOICES = {
     "mixed_precision": ("--mixed-precision", tuple(AMP_DTYPES)),
     "reward_advantage": ("--reward-advantage", ("sum", "per-reward")),
     "compile": ("--compile", ("auto", "on", "off")),
+    "kl_to": ("--kl-to", ("sampling", "initial")),
 }
 DEFAULT_PROMPTS = [  # the tiny test models' prompts; the others train on a file of prompts/ or --prompts
     "a red apple on a wooden table", "a cat sleeping on a sofa", "a lighthouse at sunset",
@@ -853,7 +857,11 @@ def check_sizes(args, world_size):
         raise UsageError(f"--resolution must be a positive multiple of 16, got {args.resolution}")
     if args.eval_every < 0 or args.eval_images < 1 or (args.eval_every and not args.eval_prompts):
         raise UsageError("--eval-every needs --eval-prompts (and must be >= 0); --eval-images must be >= 1")
-    if args.beta > 0 and args.inner_steps == 1 and int(os.environ.get("RANK", 0)) == 0:
+    if args.kl_to == "initial" and (args.full_finetune or args.compile == "on"):
+        raise UsageError("--kl-to initial takes its reference by switching the LoRA off: it needs LoRA (not "
+                         "--full-finetune) and eager blocks (--compile off: peft cannot switch adapters off under "
+                         "torch.compile)")
+    if args.beta > 0 and args.inner_steps == 1 and args.kl_to == "sampling" and int(os.environ.get("RANK", 0)) == 0:
         print(f"vgrpo: note: --beta {args.beta:g} does nothing with --inner-steps 1: the KL is to the sampling policy, "
               "which the only step starts from (value and gradient 0)" + (f" (stage {args.preset})" if args.curriculum
                                                                           else ""), file=sys.stderr, flush=True)
@@ -1566,6 +1574,18 @@ def add_trainable_weights(family, args):
     return params
 
 
+@torch.no_grad()
+def initial_x0(family, batch, args, n_prompts):
+    """--kl-to initial: x0_hat of the model before training on every row the update will see (old_surrogate's
+    pass for all inner steps with the LoRA switched off: its weights are the initial model plus zero-initialised
+    LoRA, so this is exactly the untrained policy)."""
+    family.transformer.disable_adapters()
+    try:
+        return old_surrogate(family, family.transformer, batch, args, n_prompts, from_step=0)[1]
+    finally:
+        family.transformer.enable_adapters()
+
+
 def compile_blocks(family, args, device):
     """--compile: torch.compile on each transformer block in place (regional compilation), after LoRA is attached and
     before FSDP2 shards the blocks. Blocks of one kind share their compiled code (torch inlines the modules, so the
@@ -1574,7 +1594,9 @@ def compile_blocks(family, args, device):
     recompiles once with the batch dimension made dynamic, then never again. Every pass that computes a surrogate
     runs these blocks, so the old surrogate and the update see the same compiled numerics."""
     small = is_tiny(args.model) or args.model == "digits"  # compiling would take longer than their whole run
-    if args.compile == "off" or (args.compile == "auto" and (device.type != "cuda" or small)):
+    # --kl-to initial switches the LoRA off for its reference, which peft does not support under torch.compile
+    eager = device.type != "cuda" or small or args.kl_to == "initial"
+    if args.compile == "off" or (args.compile == "auto" and eager):
         return False
     for block in family.blocks():
         block.compile()

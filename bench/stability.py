@@ -36,7 +36,9 @@ CONFIGS = {
     "lr-3e-4": ["--lr", "3e-4"],
     "no-std": ["--adv-std-floor", "1"],              # A = r - mean (rewards in [0, 1]): Dr. GRPO's advantage
     "std-floor-0.1": ["--adv-std-floor", "0.1"],
-    "kl-0.3": ["--beta", "0.3"],                     # the paper's KL weight in its last SD3.5-M stage
+    "kl-0.3": ["--beta", "0.3"],                     # the paper's KL weight (to the sampling policy: 0 here)
+    "kl-initial-1": ["--beta", "1", "--kl-to", "initial"],    # a KL to the model before training (LoRA off)
+    "kl-initial-10": ["--beta", "10", "--kl-to", "initial"],
     "soft-clip-1": ["--adv-soft-clip", "1"],
     "group-16": ["--group-size", "16", "--prompts-per-step", "2"],  # the same 32 images per iteration
     "ema-0.95": ["--ema", "0.95"],                   # the evaluation reads an EMA of the LoRA (horizon ~20 steps)

@@ -1,0 +1,91 @@
+"""--kl-to: the reference of the KL term --beta weights. `sampling` (the paper's (7)) is the policy that drew the
+batch, so with one optimizer step per iteration the term is 0; `initial` is the model before training, taken by
+switching the LoRA off, so the term grows as the LoRA moves. Checked against an independent copy of the model whose
+LoRA is zeroed, in-process on the tiny SD3; then the flag's refusals and the note on a KL that does nothing."""
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import vgrpo  # noqa: E402
+from test_vgrpo import FAST  # noqa: E402
+
+
+def lora_zeroed(transformer):
+    """A copy of the transformer whose LoRA adds nothing (every lora_B zero): the initial model, computed apart
+    from peft's own switch."""
+    initial = copy.deepcopy(transformer)
+    for name, p in initial.named_parameters():
+        if "lora_B" in name:
+            p.data.zero_()
+    return initial
+
+
+def test_the_kl_to_the_initial_model_is_the_mean_squared_x_prediction_gap_to_the_lora_free_model(tmp_path,
+                                                                                             monkeypatch):
+    args = vgrpo.parse_args([*FAST, "--iterations", "2", "--beta", "1", "--kl-to", "initial",
+                             "--output-dir", str(tmp_path)])
+    vgrpo.validate(args, 1)
+    run, _ = vgrpo.start_run(args)
+    seen = []
+    reference = vgrpo.initial_x0
+
+    @torch.no_grad()
+    def spy(family, batch, args, n_prompts):
+        x0_ref = reference(family, batch, args, n_prompts)
+        # what the test computes itself, before the update moves the weights: x0_hat of the zeroed copy (the
+        # reference) and of the current model (the update's forwards: one inner step, so all before its step)
+        seen.append({name: torch.stack([
+            vgrpo.surrogate(family, model, batch["o"][i:i + 1], batch["sigmas"][i:i + 1], batch["eps"][i:i + 1],
+                            vgrpo.rows_of(batch["cond"], slice(i, i + 1)), args.weighting)[1][0]
+            for i in range(len(batch["o"]))]) for name, model in (("initial", lora_zeroed(family.transformer)),
+                                                                  ("current", family.transformer))})
+        seen[-1]["x0_ref"] = x0_ref
+        return x0_ref
+
+    monkeypatch.setattr(vgrpo, "initial_x0", spy)
+    stats = [vgrpo.train_iteration(run, it)[0] for it in range(2)]
+    assert len(seen) == 2
+    for it, s in enumerate(seen):
+        torch.testing.assert_close(s["x0_ref"], s["initial"], rtol=0, atol=1e-6)
+        expected = (s["current"] - s["initial"]).pow(2).mean().item()
+        assert stats[it]["kl"] == pytest.approx(expected, rel=1e-4, abs=1e-12)
+    # LoRA starts at zero (lora_B = 0): before the first step the reference pass and the update's forwards (the
+    # same micro-batches) compute the same thing, bit for bit
+    assert stats[0]["kl"] == 0.0
+    assert stats[1]["kl"] > 1e-9                       # one step later the LoRA has moved the policy
+    # the LoRA is back on after the reference pass: the trained model still differs from the initial one
+    assert (seen[1]["current"] - seen[1]["x0_ref"]).abs().max() > 1e-5
+
+
+def test_with_one_inner_step_the_kl_to_the_sampling_policy_is_zero_and_says_so(tmp_path, capsys):
+    args = vgrpo.parse_args([*FAST, "--iterations", "2", "--beta", "1", "--output-dir", str(tmp_path)])
+    vgrpo.validate(args, 1)
+    assert "does nothing with --inner-steps 1" in capsys.readouterr().err
+    run, _ = vgrpo.start_run(args)
+    assert [vgrpo.train_iteration(run, it)[0]["kl"] for it in range(2)] == [0.0, 0.0]
+    initial = vgrpo.parse_args([*FAST, "--beta", "1", "--kl-to", "initial", "--output-dir", str(tmp_path)])
+    vgrpo.validate(initial, 1)
+    assert "does nothing" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [["--full-finetune"], ["--compile", "on"]])
+def test_the_kl_to_the_initial_model_needs_lora_and_eager_blocks(tmp_path, extra):
+    args = vgrpo.parse_args([*FAST, "--beta", "1", "--kl-to", "initial", *extra, "--output-dir", str(tmp_path)])
+    with pytest.raises(vgrpo.UsageError, match="--kl-to initial .* needs LoRA"):
+        vgrpo.validate(args, 1)
+
+
+def test_compile_auto_leaves_the_blocks_eager_for_the_kl_to_the_initial_model():
+    """On CUDA, --compile auto compiles a real model's blocks, except where the LoRA is switched off for the KL's
+    reference (peft cannot do that under torch.compile); the family is never touched then."""
+    args = vgrpo.Args(model="sd3", compile="auto", kl_to="initial")
+    assert vgrpo.compile_blocks(None, args, torch.device("cuda")) is False
+    with pytest.raises(AttributeError):   # kl_to sampling: it goes on to compile the (here missing) family's blocks
+        vgrpo.compile_blocks(None, vgrpo.Args(model="sd3", compile="auto"), torch.device("cuda"))

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import vgrpo  # noqa: E402
-from test_vgrpo import FAST  # noqa: E402
+from test_vgrpo import FAST, lora, metrics, run_script  # noqa: E402
 
 
 def lora_zeroed(transformer):
@@ -89,3 +89,22 @@ def test_compile_auto_leaves_the_blocks_eager_for_the_kl_to_the_initial_model():
     assert vgrpo.compile_blocks(None, args, torch.device("cuda")) is False
     with pytest.raises(AttributeError):   # kl_to sampling: it goes on to compile the (here missing) family's blocks
         vgrpo.compile_blocks(None, vgrpo.Args(model="sd3", compile="auto"), torch.device("cuda"))
+
+
+@pytest.mark.slow
+def test_the_kl_to_the_initial_model_trains_alike_on_one_and_two_processes_and_under_fsdp(tmp_path):
+    """The reference pass runs on each process's own rows with the LoRA switched off on the unwrapped (DDP) or
+    sharded (FSDP2) transformer: 1 and 2 processes train the same weights bit for bit (the same rows per micro-batch,
+    as test_vgrpo.py's), FSDP to rounding, and log the same KL (about 40 s)."""
+
+    common = [*FAST, "--iterations", "2", "--beta", "1", "--kl-to", "initial", "--save-every", "2",
+              "--inner-steps", "2", "--micro-batch", "2"]
+    for name, extra, nproc in (("one", [], None), ("two", [], 2), ("fsdp", ["--fsdp"], 2)):
+        p = run_script(*common, *extra, "--output-dir", tmp_path / name, nproc=nproc)
+        assert p.returncode == 0, (name, p.stderr[-3000:])
+    weights = {name: lora(tmp_path / name, 2) for name in ("one", "two", "fsdp")}
+    kl = {name: [m["kl"] for m in metrics(tmp_path / name)] for name in ("one", "two", "fsdp")}
+    assert kl["one"][0] > 0 and kl["one"][1] > 0     # the second inner step of each iteration has moved the LoRA
+    assert all(torch.equal(weights["one"][k], v) for k, v in weights["two"].items())
+    assert all(torch.allclose(weights["one"][k], v, rtol=0, atol=1e-6) for k, v in weights["fsdp"].items())
+    assert kl["two"] == pytest.approx(kl["one"], rel=1e-5) and kl["fsdp"] == pytest.approx(kl["one"], rel=1e-3)

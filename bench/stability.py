@@ -38,7 +38,9 @@ CONFIGS = {
     "std-floor-0.1": ["--adv-std-floor", "0.1"],
     "kl-0.3": ["--beta", "0.3"],                     # the paper's KL weight (to the sampling policy: 0 here)
     "kl-initial-1": ["--beta", "1", "--kl-to", "initial"],    # a KL to the model before training (LoRA off)
-    "kl-initial-10": ["--beta", "10", "--kl-to", "initial"],
+    "kl-initial-0.3": ["--beta", "0.3", "--kl-to", "initial"],
+    "kl-initial-0.1": ["--beta", "0.1", "--kl-to", "initial"],
+    "kl-initial-0.3-ema-0.95": ["--beta", "0.3", "--kl-to", "initial", "--ema", "0.95"],
     "soft-clip-1": ["--adv-soft-clip", "1"],
     "group-16": ["--group-size", "16", "--prompts-per-step", "2"],  # the same 32 images per iteration
     "ema-0.95": ["--ema", "0.95"],                   # the evaluation reads an EMA of the LoRA (horizon ~20 steps)

@@ -559,7 +559,7 @@ def micro_batches(n_prompts, group_size, inner_steps, micro_batch, device="cpu")
 
 def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None):
     """--inner-steps optimizer steps on the clipped surrogate objective; returns averaged stats.
-    batch: o, cond, A, sigmas, eps, and s_old / x0_old (old_surrogate) for the minibatches after the first.
+    batch: o, cond, A, sigmas, eps, s_old / x0_old (old_surrogate: minibatches after the first), x0_ref (--kl-to).
     scaler: a GradScaler with --mixed-precision fp16 (fp16 gradients underflow without loss scaling).
     Statistics stay on the device until the end; the host waits once per optimizer step (to skip a step with a
     non-finite gradient on every rank alike) and once for the statistics."""
@@ -814,6 +814,9 @@ def validate(args, world_size):
         check_reward_specs(stage)
         check_prompt_files(stage)
         check_sizes(stage, world_size)
+    if args.kl_to == "initial" and not any(stage.beta > 0 for *_, stage in curriculum_stages(args)) and \
+            int(os.environ.get("RANK", 0)) == 0:
+        print("vgrpo: note: --kl-to initial does nothing without --beta above 0", file=sys.stderr, flush=True)
     if not args.attention or set(args.attention.split(",")) - set(ATTENTION_KERNELS):
         raise UsageError(f"--attention {args.attention!r}: a comma-separated list of {', '.join(ATTENTION_KERNELS)}")
     for name in filter(None, args.report_to.split(",")):
@@ -1576,14 +1579,17 @@ def add_trainable_weights(family, args):
 
 @torch.no_grad()
 def initial_x0(family, batch, args, n_prompts):
-    """--kl-to initial: x0_hat of the model before training on every row the update will see (old_surrogate's
-    pass for all inner steps with the LoRA switched off: its weights are the initial model plus zero-initialised
-    LoRA, so this is exactly the untrained policy)."""
+    """--kl-to initial: x0_hat of the model before training on every row the update will see, micro-batch by
+    micro-batch as the update sees them, with the LoRA switched off (the frozen base is the initial model)."""
+    x0_ref = torch.empty(batch["eps"].shape, device=batch["o"].device)
     family.transformer.disable_adapters()
     try:
-        return old_surrogate(family, family.transformer, batch, args, n_prompts, from_step=0)[1]
-    finally:
+        for _, idx in micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch, x0_ref.device):
+            x0_ref[idx] = surrogate(family, family.transformer, batch["o"][idx], batch["sigmas"][idx],
+                                    batch["eps"][idx], rows_of(batch["cond"], idx), args.weighting)[1]
+    finally:  # an error in the pass must not leave the LoRA off for the rest of the run
         family.transformer.enable_adapters()
+    return x0_ref
 
 
 def compile_blocks(family, args, device):

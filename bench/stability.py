@@ -101,7 +101,8 @@ def run_methods(seed, work, iterations, eval_every, threads, specs, setup=None):
     {method: eval rows} as run_one's (eval_digit_correct: the CNN, eval_digit_knn: the k-NN, eval_diversity)."""
     import run
     out = os.path.join(work, f"methods-seed{seed}.json")
-    if not os.path.isfile(out):
+    done = os.path.isfile(out) and complete(method_rows(out), [m["name"] for m in specs], iterations)
+    if not done:
         command = [sys.executable, os.path.join(HERE, "learning.py"), "--reward", "digits", "--seed", str(seed),
                    "--setup", json.dumps(setup or run.REGIMES["one-step"]), "--iterations", str(iterations),
                    "--eval-every", str(eval_every), "--run-to-end", "--methods", json.dumps(specs),
@@ -116,12 +117,23 @@ def run_methods(seed, work, iterations, eval_every, threads, specs, setup=None):
 
 
 def method_rows(path):
-    """A bench/learning.py output -> {method: eval rows}, keyed as vgrpo.py's eval.jsonl."""
+    """A bench/learning.py output -> {method: eval rows}, keyed as vgrpo.py's eval.jsonl (methods of METHOD_KINDS
+    with both judges' curves; the diversity where the file has it)."""
     with open(path) as f:
         result = json.load(f)
-    return {name: [{"iteration": it, "eval_digit_correct": cnn, "eval_digit_knn": knn, "eval_diversity": d}
-                   for (it, cnn), (_, knn), (_, d) in zip(m["eval"], m["check"], m["diversity"])]
-            for name, m in result["methods"].items()}
+    out = {}
+    for name, m in result["methods"].items():
+        if name in METHOD_KINDS and m.get("check"):
+            spread = dict(m.get("diversity", []))
+            out[name] = [{"iteration": it, "eval_digit_correct": cnn, "eval_digit_knn": knn,
+                          **({"eval_diversity": spread[it]} if it in spread else {})}
+                         for (it, cnn), (_, knn) in zip(m["eval"], m["check"])]
+    return out
+
+
+def complete(rows, names, iterations):
+    """Has every method of `names` been evaluated up to `iterations`?"""
+    return all(rows.get(name) and rows[name][-1]["iteration"] == iterations for name in names)
 
 
 def earlier_methods(copies, iterations):
@@ -306,7 +318,7 @@ def main(argv=None):
     # the tables keep every run made before
     runs = {} if a.quick else earlier_runs(copies, a.iterations)
     method_runs = {} if a.quick else earlier_methods(copies, a.iterations)
-    specs = method_specs()
+    specs = method_specs() if a.methods or method_runs else None
     for name in [] if a.methods else names:
         for seed in seeds:
             eval_file = os.path.join(a.work, f"{name}-seed{seed}", "eval.jsonl")
@@ -321,7 +333,7 @@ def main(argv=None):
             # after every run: an interrupted sweep keeps its tables
             report(runs, a.iterations, a.eval_every, a.out, method_runs, specs)
     for seed in seeds if a.methods and not a.report else []:
-        if any(key[1] == seed for key in method_runs):
+        if all((kind, seed) in method_runs for kind in METHOD_KINDS):
             continue
         # quick: a small evaluation set, fewer sampling steps
         setup = dict(run_regime(), eval_samples=16, eval_prompts=2, sample_steps=4) if a.quick else None

@@ -449,6 +449,30 @@ def test_learning_diversity_is_the_mean_over_prompts_of_each_prompts_pixel_diver
     assert learning.diversity(torch.stack([grey, grey]), ["a", "b"]) == 0.0        # no prompt with two images
 
 
+def test_stability_reads_method_runs_that_are_partial_old_or_hold_other_learners(tmp_path):
+    """A learning.py output with a finished V-GRPO, a DiffusionNFT cut short, an MDP (not one of the three) and no
+    diversity curve (written before it was recorded): the rows are what the file holds, the run counts as
+    incomplete (so --methods reruns it), and the report takes what is complete."""
+    import stability
+
+    ev = [(0, 0.3), (4, 0.5), (8, 0.45)]
+    path = tmp_path / "methods-seed1.json"
+    path.write_text(json.dumps({"methods": {
+        "V-GRPO": {"eval": ev, "check": [(it, v - 0.1) for it, v in ev], "diversity": [(it, 0.2) for it, _ in ev]},
+        "DiffusionNFT": {"eval": ev[:2], "check": ev[:2]},
+        "MDP": {"eval": ev, "check": ev}}}))
+    rows = stability.method_rows(str(path))
+    assert sorted(rows) == ["DiffusionNFT", "V-GRPO"]
+    assert rows["V-GRPO"][2] == {"iteration": 8, "eval_digit_correct": 0.45, "eval_digit_knn": 0.45 - 0.1,
+                                 "eval_diversity": 0.2}
+    assert "eval_diversity" not in rows["DiffusionNFT"][0]
+    assert stability.complete(rows, ["V-GRPO"], 8) and not stability.complete(rows, ["V-GRPO", "DiffusionNFT"], 8)
+    assert not stability.complete(rows, ["V-GRPO", "MixGRPO"], 8)
+    assert stability.earlier_methods(str(tmp_path), 8).keys() == {("V-GRPO", 1)}
+    summary = stability.summarize_run(rows["DiffusionNFT"])
+    assert summary["CNN"]["fall"] == 0.0 and summary["diversity"]["final"] is None
+
+
 @pytest.mark.slow
 def test_stability_methods_mode_trains_the_headlines_choices_side_by_side_and_reports_them(tmp_path):
     """bench/stability.py --methods --quick: one bench/learning.py job with V-GRPO, DiffusionNFT and MixGRPO at the

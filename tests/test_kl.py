@@ -27,10 +27,14 @@ def lora_zeroed(transformer):
     return initial
 
 
+@pytest.mark.parametrize("inner_steps", [1, 2])
 def test_the_kl_to_the_initial_model_is_the_mean_squared_x_prediction_gap_to_the_lora_free_model(tmp_path,
-                                                                                             monkeypatch):
-    args = vgrpo.parse_args([*FAST, "--iterations", "2", "--beta", "1", "--kl-to", "initial",
-                             "--output-dir", str(tmp_path)])
+                                                                                             monkeypatch, inner_steps):
+    """Every row's reference equals the zeroed copy's x-prediction (with 2 inner steps too: the rows of each
+    minibatch); with one inner step every forward of the update precedes its step, so the logged kl is the formula's
+    on the weights before the update."""
+    args = vgrpo.parse_args([*FAST, "--iterations", "2", "--beta", "1", "--kl-to", "initial", "--inner-steps",
+                             str(inner_steps), "--micro-batch", "2", "--output-dir", str(tmp_path)])
     vgrpo.validate(args, 1)
     run, _ = vgrpo.start_run(args)
     seen = []
@@ -54,11 +58,12 @@ def test_the_kl_to_the_initial_model_is_the_mean_squared_x_prediction_gap_to_the
     assert len(seen) == 2
     for it, s in enumerate(seen):
         torch.testing.assert_close(s["x0_ref"], s["initial"], rtol=0, atol=1e-6)
-        expected = (s["current"] - s["initial"]).pow(2).mean().item()
-        assert stats[it]["kl"] == pytest.approx(expected, rel=1e-4, abs=1e-12)
+        if inner_steps == 1:
+            expected = (s["current"] - s["initial"]).pow(2).mean().item()
+            assert stats[it]["kl"] == pytest.approx(expected, rel=1e-4, abs=1e-12)
     # LoRA starts at zero (lora_B = 0): before the first step the reference pass and the update's forwards (the
-    # same micro-batches) compute the same thing, bit for bit
-    assert stats[0]["kl"] == 0.0
+    # same micro-batches) compute the same thing, bit for bit; a second inner step starts from moved weights
+    assert (stats[0]["kl"] == 0.0) == (inner_steps == 1)
     assert stats[1]["kl"] > 1e-9                       # one step later the LoRA has moved the policy
     # the LoRA is back on after the reference pass: the trained model still differs from the initial one
     assert (seen[1]["current"] - seen[1]["x0_ref"]).abs().max() > 1e-5
@@ -108,3 +113,22 @@ def test_the_kl_to_the_initial_model_trains_alike_on_one_and_two_processes_and_u
     assert all(torch.equal(weights["one"][k], v) for k, v in weights["two"].items())
     assert all(torch.allclose(weights["one"][k], v, rtol=0, atol=1e-6) for k, v in weights["fsdp"].items())
     assert kl["two"] == pytest.approx(kl["one"], rel=1e-5) and kl["fsdp"] == pytest.approx(kl["one"], rel=1e-3)
+
+
+def test_an_error_in_the_reference_pass_leaves_the_lora_switched_on(tmp_path, monkeypatch):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    args = vgrpo.parse_args([*FAST, "--beta", "1", "--kl-to", "initial", "--output-dir", str(tmp_path)])
+    run, _ = vgrpo.start_run(args)
+    layers = [m for m in run.family.transformer.modules() if isinstance(m, BaseTunerLayer)]
+    seen = []
+
+    def failing(*_):
+        seen.append([layer.disable_adapters for layer in layers])
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(vgrpo, "surrogate", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        vgrpo.train_iteration(run, 0)
+    assert layers and all(seen[0])                                   # off during the pass
+    assert not any(layer.disable_adapters for layer in layers)       # on again after it

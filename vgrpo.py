@@ -814,6 +814,10 @@ def validate(args, world_size):
         check_reward_specs(stage)
         check_prompt_files(stage)
         check_sizes(stage, world_size)
+    if args.kl_to == "initial" and (args.full_finetune or args.compile == "on"):
+        raise UsageError("--kl-to initial takes its reference by switching the LoRA off: it needs LoRA (not "
+                         "--full-finetune) and eager blocks (--compile off: peft cannot switch adapters off under "
+                         "torch.compile)")
     if args.kl_to == "initial" and not any(stage.beta > 0 for *_, stage in curriculum_stages(args)) and \
             int(os.environ.get("RANK", 0)) == 0:
         print("vgrpo: note: --kl-to initial does nothing without --beta above 0", file=sys.stderr, flush=True)
@@ -860,10 +864,6 @@ def check_sizes(args, world_size):
         raise UsageError(f"--resolution must be a positive multiple of 16, got {args.resolution}")
     if args.eval_every < 0 or args.eval_images < 1 or (args.eval_every and not args.eval_prompts):
         raise UsageError("--eval-every needs --eval-prompts (and must be >= 0); --eval-images must be >= 1")
-    if args.kl_to == "initial" and (args.full_finetune or args.compile == "on"):
-        raise UsageError("--kl-to initial takes its reference by switching the LoRA off: it needs LoRA (not "
-                         "--full-finetune) and eager blocks (--compile off: peft cannot switch adapters off under "
-                         "torch.compile)")
     if args.beta > 0 and args.inner_steps == 1 and args.kl_to == "sampling" and int(os.environ.get("RANK", 0)) == 0:
         print(f"vgrpo: note: --beta {args.beta:g} does nothing with --inner-steps 1: the KL is to the sampling policy, "
               "which the only step starts from (value and gradient 0)" + (f" (stage {args.preset})" if args.curriculum

@@ -269,25 +269,46 @@ def report(runs, iterations, eval_every, out_dir, method_runs=None, specs=None):
 
 
 def plot(runs, names, path):
+    """One panel per candidate (both judges, a colour per seed, the worst falls in its title, so 0.05 can be read
+    off each), and a last panel with every candidate's diversity averaged over its seeds."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    panels = [("CNN", "eval_digit_correct", "held-out accuracy (CNN)"), ("k-NN", "eval_digit_knn",
-              "held-out accuracy (k-NN)"), ("diversity", "eval_diversity", "held-out diversity (pixels)")]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for ax, (_, key, title) in zip(axes, panels):
-        for j, name in enumerate(names):
-            for seed in sorted(s for n, s in runs if n == name):
+    names = [n for n in names if any(key[0] == n for key in runs)]
+    cols = min(4, len(names) + 1)
+    rows_of_panels = -(-(len(names) + 1) // cols)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(3.5 * cols, 2.7 * rows_of_panels), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        seeds = sorted(s for n, s in runs if n == name)
+        falls = {judge: max(largest_fall([r[key] for r in runs[name, s]]) for s in seeds)
+                 for judge, key in JUDGES.items()}
+        for i, seed in enumerate(seeds):
+            for (judge, key), style in zip(JUDGES.items(), ("-", "--")):
                 rows = [r for r in runs[name, seed] if key in r]
-                ax.plot([r["iteration"] for r in rows], [r[key] for r in rows], color=f"C{j % 10}", lw=1.2,
-                        alpha=0.8, label=name if seed == min(s for n, s in runs if n == name) else None)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("iteration")
+                ax.plot([r["iteration"] for r in rows], [r[key] for r in rows], style, color=f"C{i}", lw=1.1,
+                        label=f"{judge}, seed {seed}")
+        ax.set_title(f"{name}\nworst fall CNN {falls['CNN']:.2f}, k-NN {falls['k-NN']:.2f}", fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes.flat[0].legend(fontsize=6, loc="lower right")
+    diversity = axes.flat[len(names)]
+    for j, name in enumerate(names):
+        seeds = sorted(s for n, s in runs if n == name)
+        iterations = [r["iteration"] for r in runs[name, seeds[0]] if "eval_diversity" in r]
+        mean = [statistics.mean(next(r["eval_diversity"] for r in runs[name, s] if r["iteration"] == it)
+                                for s in seeds) for it in iterations]
+        diversity.plot(iterations, mean, color=plt.cm.tab20(j % 20), lw=1.1, label=name)
+    diversity.set_title("held-out diversity (pixels), mean over seeds", fontsize=8)
+    diversity.tick_params(labelsize=7)
+    diversity.grid(alpha=0.3)
+    diversity.legend(fontsize=5, ncol=2)
+    for ax in axes.flat[len(names) + 1:]:
+        ax.axis("off")
+    fig.supxlabel("iteration", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -43,7 +43,6 @@ CONFIGS = {
     "kl-initial-0.3-ema-0.95": ["--beta", "0.3", "--kl-to", "initial", "--ema", "0.95"],
     "kl-initial-0.3-ema-0.9": ["--beta", "0.3", "--kl-to", "initial", "--ema", "0.9"],  # a shorter EMA lags less at 80
     "kl-initial-0.1-ema-0.95": ["--beta", "0.1", "--kl-to", "initial", "--ema", "0.95"],
-    "kl-initial-0.1-ema-0.9": ["--beta", "0.1", "--kl-to", "initial", "--ema", "0.9"],
     "soft-clip-1": ["--adv-soft-clip", "1"],
     "group-16": ["--group-size", "16", "--prompts-per-step", "2"],  # the same 32 images per iteration
     "ema-0.95": ["--ema", "0.95"],                   # the evaluation reads an EMA of the LoRA (horizon ~20 steps)

@@ -132,3 +132,14 @@ def test_an_error_in_the_reference_pass_leaves_the_lora_switched_on(tmp_path, mo
         vgrpo.train_iteration(run, 0)
     assert layers and all(seen[0])                                   # off during the pass
     assert not any(layer.disable_adapters for layer in layers)       # on again after it
+
+
+def test_a_demo_run_past_its_80_iterations_is_told_which_setting_held(tmp_path, capsys):
+    """bench/stability.py: past 80 iterations the demo swings; the run that goes there without the KL to the start
+    is told the setting that held (and the default 80-iteration demo, or a run with that setting, is not)."""
+    told = "--beta 0.3 --kl-to initial --ema 0.95 held within 0.05"
+    for flags, expected in [([], False), (["--iterations", "240"], True),
+                            (["--iterations", "81", "--beta", "0.3"], True),
+                            (["--iterations", "240", "--beta", "0.3", "--kl-to", "initial", "--ema", "0.95"], False)]:
+        vgrpo.validate(vgrpo.parse_args([*flags, "--output-dir", str(tmp_path)]), 1)
+        assert (told in capsys.readouterr().err) == expected, flags

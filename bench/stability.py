@@ -33,6 +33,7 @@ RESULTS = os.path.join(HERE, "results")
 # soft clip, advantages divided by the group std + 1e-4)
 CONFIGS = {
     "default": [],
+    "lr-5e-4": ["--lr", "5e-4"],
     "lr-3e-4": ["--lr", "3e-4"],
     "no-std": ["--adv-std-floor", "1"],              # A = r - mean (rewards in [0, 1]): Dr. GRPO's advantage
     "std-floor-0.1": ["--adv-std-floor", "0.1"],

@@ -777,6 +777,12 @@ class UsageError(FatalError):
     exit_code = 2
 
 
+def note(text):
+    """A one-line hint that does not stop the run, printed once (by rank 0) on stderr."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"vgrpo: note: {text}", file=sys.stderr, flush=True)
+
+
 # checkpoint settings that must match to resume; everything else may change (a curriculum changes rewards)
 RESUME_MUST_MATCH = ("model", "full_finetune", "lora_rank", "lora_alpha", "resolution", "fsdp", "curriculum")
 SAMPLERS = ("dpmpp2m", "euler")
@@ -818,14 +824,13 @@ def validate(args, world_size):
         raise UsageError("--kl-to initial takes its reference by switching the LoRA off: it needs LoRA (not "
                          "--full-finetune) and eager blocks (--compile off: peft cannot switch adapters off under "
                          "torch.compile)")
-    if args.kl_to == "initial" and not any(stage.beta > 0 for *_, stage in curriculum_stages(args)) and \
-            int(os.environ.get("RANK", 0)) == 0:
-        print("vgrpo: note: --kl-to initial does nothing without --beta above 0", file=sys.stderr, flush=True)
+    if args.kl_to == "initial" and not any(stage.beta > 0 for *_, stage in curriculum_stages(args)):
+        note("--kl-to initial does nothing without --beta above 0")
     if args.model == "digits" and args.iterations > RECIPES["digits"]["iterations"] and not \
-            (args.beta > 0 and args.kl_to == "initial") and int(os.environ.get("RANK", 0)) == 0:
-        print(f"vgrpo: note: past about {RECIPES['digits']['iterations']} iterations the demo's held-out accuracy "
-              "swings as its reward gets hacked; --beta 0.3 --kl-to initial --ema 0.95 held within 0.05 of its best "
-              "to 240 on 4 seeds (bench/README.md, 'Long runs')", file=sys.stderr, flush=True)
+            (args.beta > 0 and args.kl_to == "initial"):
+        note(f"past about {RECIPES['digits']['iterations']} iterations the demo's held-out accuracy swings as its "
+             "reward gets hacked; --beta 0.3 --kl-to initial --ema 0.95 held within 0.05 of its best to 240 on 4 "
+             "seeds (bench/README.md, 'Long runs')")
     if not args.attention or set(args.attention.split(",")) - set(ATTENTION_KERNELS):
         raise UsageError(f"--attention {args.attention!r}: a comma-separated list of {', '.join(ATTENTION_KERNELS)}")
     for name in filter(None, args.report_to.split(",")):
@@ -869,10 +874,9 @@ def check_sizes(args, world_size):
         raise UsageError(f"--resolution must be a positive multiple of 16, got {args.resolution}")
     if args.eval_every < 0 or args.eval_images < 1 or (args.eval_every and not args.eval_prompts):
         raise UsageError("--eval-every needs --eval-prompts (and must be >= 0); --eval-images must be >= 1")
-    if args.beta > 0 and args.inner_steps == 1 and args.kl_to == "sampling" and int(os.environ.get("RANK", 0)) == 0:
-        print(f"vgrpo: note: --beta {args.beta:g} does nothing with --inner-steps 1: the KL is to the sampling policy, "
-              "which the only step starts from (value and gradient 0)" + (f" (stage {args.preset})" if args.curriculum
-                                                                          else ""), file=sys.stderr, flush=True)
+    if args.beta > 0 and args.inner_steps == 1 and args.kl_to == "sampling":
+        note(f"--beta {args.beta:g} does nothing with --inner-steps 1: the KL is to the sampling policy, which the "
+             "only step starts from (value and gradient 0)" + (f" (stage {args.preset})" if args.curriculum else ""))
     if not 0 <= args.ema < 1:
         raise UsageError(f"--ema is a decay in [0, 1) (0: off), got {args.ema}")
     if args.keep_last < 0 or args.max_bad_steps < 1 or args.dist_timeout < 1:
@@ -909,14 +913,14 @@ def check_paths(args):
         check_resume_matches(args)
 
 
-UNIFIEDREWARD_NOTE = ("vgrpo: note: the paper's FLUX.1-dev run also trains on UnifiedReward, a VLM judge on a server: "
+UNIFIEDREWARD_NOTE = ("the paper's FLUX.1-dev run also trains on UnifiedReward, a VLM judge on a server: "
                       "start one (e.g. `vllm serve CodeGoat24/UnifiedReward-qwen-7b --port 8000`) and append "
                       ",unifiedreward@http://localhost:8000/v1 to --reward")
 
 
 def check_reward_specs(args):
-    if args.preset == "flux-preference" and "unifiedreward@" not in args.reward and int(os.environ.get("RANK", 0)) == 0:
-        print(UNIFIEDREWARD_NOTE, file=sys.stderr, flush=True)
+    if args.preset == "flux-preference" and "unifiedreward@" not in args.reward:
+        note(UNIFIEDREWARD_NOTE)
     for flag, spec in (("--reward", args.reward), ("--eval-rewards", args.eval_rewards)):
         try:
             names = [name for name, _ in rewards_lib.parse_reward_spec(spec)] if spec or flag == "--reward" else []
@@ -1521,9 +1525,9 @@ def load_family(args, device):
     if kind == "flux":
         kw["guidance"] = args.guidance
     family = PIPELINES[kind][1](pipe, args.resolution, max_len, device, **kw)
-    if kind == "flux2-klein" and not family.cfg and args.guidance > 1 and int(os.environ.get("RANK", 0)) == 0:
-        print(f"vgrpo: note: {args.model} is step-distilled: it takes no guidance (--guidance {args.guidance:g} is "
-              "ignored) and is made for --sample-steps 4", file=sys.stderr, flush=True)
+    if kind == "flux2-klein" and not family.cfg and args.guidance > 1:
+        note(f"{args.model} is step-distilled: it takes no guidance (--guidance {args.guidance:g} is ignored) and is "
+             "made for --sample-steps 4")
     return family
 
 

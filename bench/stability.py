@@ -256,7 +256,7 @@ def report(runs, iterations, eval_every, out_dir, method_runs=None, specs=None):
                   *summary_rows(method_runs, method_summaries, kinds, lambda n: settings.get(n, "")),
                   "", "Per run (CNN / k-NN):", "", *METHOD_RUN_HEAD,
                   *per_run_rows(method_runs, method_summaries, list(METHOD_KINDS), per_digit=False)]
-        plot(method_runs, kinds, os.path.join(out_dir, "stability-methods.png"))
+        plot(method_runs, method_summaries, kinds, os.path.join(out_dir, "stability-methods.png"))
     path = os.path.join(out_dir, "stability.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -264,11 +264,11 @@ def report(runs, iterations, eval_every, out_dir, method_runs=None, specs=None):
         json.dump({**{f"{n}-seed{s}": dict(summary=summaries[n, s], rows=runs[n, s]) for n, s in runs},
                    **{f"method {n}-seed{s}": dict(rows=rows) for (n, s), rows in method_runs.items()}}, f, indent=1)
     if runs:
-        plot(runs, names, os.path.join(out_dir, "stability.png"))
+        plot(runs, summaries, names, os.path.join(out_dir, "stability.png"))
     return path
 
 
-def plot(runs, names, path):
+def plot(runs, summaries, names, path):
     """One panel per candidate (both judges, a colour per seed, the worst falls in its title, so 0.05 can be read
     off each), and a last panel with every candidate's diversity averaged over its seeds."""
     try:
@@ -279,12 +279,11 @@ def plot(runs, names, path):
         return None
     names = [n for n in names if any(key[0] == n for key in runs)]
     cols = min(4, len(names) + 1)
-    rows_of_panels = -(-(len(names) + 1) // cols)
-    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(3.5 * cols, 2.7 * rows_of_panels), squeeze=False)
+    n_rows = -(-(len(names) + 1) // cols)  # the candidates' panels and the diversity's
+    fig, axes = plt.subplots(n_rows, cols, figsize=(3.5 * cols, 2.7 * n_rows), squeeze=False)
     for ax, name in zip(axes.flat, names):
         seeds = sorted(s for n, s in runs if n == name)
-        falls = {judge: max(largest_fall([r[key] for r in runs[name, s]]) for s in seeds)
-                 for judge, key in JUDGES.items()}
+        falls = {judge: max(summaries[name, s][judge]["fall"] for s in seeds) for judge in JUDGES}
         for i, seed in enumerate(seeds):
             for (judge, key), style in zip(JUDGES.items(), ("-", "--")):
                 rows = [r for r in runs[name, seed] if key in r]

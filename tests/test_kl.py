@@ -143,3 +143,16 @@ def test_a_demo_run_past_its_80_iterations_is_told_which_setting_held(tmp_path, 
                             (["--iterations", "240", "--beta", "0.3", "--kl-to", "initial", "--ema", "0.95"], False)]:
         vgrpo.validate(vgrpo.parse_args([*flags, "--output-dir", str(tmp_path)]), 1)
         assert (told in capsys.readouterr().err) == expected, flags
+
+
+def test_notes_are_printed_once_by_rank_0(tmp_path, capsys, monkeypatch):
+    """Hints print on rank 0 only (torchrun would print 8 copies), with vgrpo's prefix: the long-run note above and the
+    FLUX.1-dev preset's UnifiedReward note."""
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        vgrpo.validate(vgrpo.parse_args(["--iterations", "240", "--output-dir", str(tmp_path)]), 1)
+        err = capsys.readouterr().err
+        assert err.startswith("vgrpo: note: past about 80 iterations") and err.count("\n") == 1 if rank == "0" \
+            else err == ""
+        vgrpo.check_reward_specs(vgrpo.parse_args(["--preset", "flux-preference", "--output-dir", str(tmp_path)]))
+        assert capsys.readouterr().err == ("vgrpo: note: " + vgrpo.UNIFIEDREWARD_NOTE + "\n" if rank == "0" else "")

@@ -1601,6 +1601,9 @@ def initial_x0(family, batch, args, n_prompts):
     return x0_ref
 
 
+RECOMPILE_LIMIT = 64  # compiled variants allowed per block class (compile_blocks); SD3.5-M needs 11, 14 under FSDP2
+
+
 def compile_blocks(family, args, device):
     """--compile: torch.compile on each transformer block in place (regional compilation), after LoRA is attached and
     before FSDP2 shards the blocks. Blocks of one kind share their compiled code (torch inlines the modules, so the
@@ -1613,6 +1616,10 @@ def compile_blocks(family, args, device):
     eager = device.type != "cuda" or small or args.kl_to == "initial"
     if args.compile == "off" or (args.compile == "auto" and eager):
         return False
+    # The blocks of a class share one forward, whose compiled variants count against one limit (8 by default): SD3.5-M
+    # needs 11 (its 3 kinds of block, each without gradients at a static then a dynamic batch and with them, the first
+    # block's input needing none), and past the limit torch runs the remaining variants eagerly, silently.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in family.blocks():
         block.compile()
     family.compiled = True

@@ -62,11 +62,13 @@ SD3_CONFIG = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, 
 FLUX_CONFIG = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                    axes_dims_rope=(16, 56, 56))
-# --quick: the same architectures (dual attention, RMS qk-norm, guidance embedding) at toy width and depth
-SD3_QUICK = dict(SD3_CONFIG, sample_size=8, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+# --quick: the same architectures (dual attention, RMS qk-norm, guidance embedding) at toy width and depth, with
+# every kind of block: SD3.5-M's dual-attention, plain and last (no text output) blocks; FLUX's first double block
+# (its input needs no gradient), the later ones and a single block
+SD3_QUICK = dict(SD3_CONFIG, sample_size=8, num_layers=3, attention_head_dim=8, num_attention_heads=2,
                  joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32, pos_embed_max_size=8,
                  dual_attention_layers=(0,))
-FLUX_QUICK = dict(FLUX_CONFIG, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+FLUX_QUICK = dict(FLUX_CONFIG, num_layers=2, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                   joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
 # Qwen-Image (20.4B) and FLUX.2 [klein] base 4B (3.9B): bench/memory.py's published configurations; --quick: toys
 QWEN_QUICK = dict(memory.QWEN_IMAGE, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,

@@ -4,7 +4,8 @@
 #                          the ratio at the first inner step, finite losses, peak memory; exits 1 naming a failure
 #   bench/memory.py --gpu  every phase's peak (allocated and reserved) beside results/memory.json's fake-CUDA bytes,
 #                          and the CUDA context's size
-#   bench/gpu.py           seconds, TFLOP/s and peak memory of rollout / old surrogate / update at the real shapes
+#   bench/gpu.py           seconds, TFLOP/s and peak memory of rollout / old surrogate / update at the real shapes,
+#                          eager and compiled, the ODE loop's cost and the top kernels (--profile)
 # Results go to $OUT (or bench/results/), 8 files: smoke-gpu.md, smoke-gpu.json, memory-gpu.md, memory-gpu.json,
 # gpu.md, gpu.json, device.txt, device.log (this script's whole output).
 #
@@ -38,6 +39,6 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffu
     echo "bench/smoke.py: exit $?"
     timeout 170 python3 bench/memory.py --gpu --time-limit 110 --out "$out/memory-gpu.md"
     echo "bench/memory.py --gpu: exit $?"
-    timeout 120 python3 bench/gpu.py --time-limit 80 --out "$out/gpu.md"
+    timeout 120 python3 bench/gpu.py --time-limit 80 --repeats 1 --profile --out "$out/gpu.md"
     echo "bench/gpu.py: exit $?"
 } 2>&1 | tee "$out/device.log"

@@ -14,6 +14,8 @@ through vgrpo's own functions with the recipe's settings (vgrpo.RECIPES: SD3.5-M
 micro-batches of 4):
 
   rollout  vgrpo.rollout on one --sample-batch of noises, timed over --rollout-steps ODE steps, scaled to all S
+  forwards the rollout's forwards alone (the same rows, conditioning and sigmas, none of the solver's arithmetic):
+           rollout / forwards is what the ODE loop adds to the forwards it runs
   old      vgrpo.old_surrogate on one micro-batch (micro-batch x N_MC rows, no gradients)
   update   vgrpo.update on one micro-batch: forward + backward of its rows, gradient clip, AdamW on the LoRA weights
   decode   vgrpo.decode of --decode-batch latents by the model's VAE (its published configuration)
@@ -30,8 +32,9 @@ fastest of --repeats runs after a warm-up; peak memory is torch.cuda.max_memory_
 included). TFLOP/s counts the FLOPs of one forward of one row and of one update of one sample with
 torch.utils.flop_counter (backward and checkpointing's recomputation included) and divides by the measured time; "of
 peak" compares it with the device's dense bf16 peak. The split multiplies the measured times out to one iteration of
-the recipe on --gpus GPUs, per GPU, eager and compiled. --quick runs the same code on tiny transformers on the CPU
-in float32.
+the recipe on --gpus GPUs, per GPU, eager and compiled. --profile adds torch.profiler's table of the top kernels of
+one rollout and one update (compiled where measured) to the report: where the time goes. --quick runs the same code
+on tiny transformers on the CPU in float32.
 """
 
 import argparse
@@ -275,9 +278,12 @@ def measure_model(name, a, gpus, device, deadline):
     cfg = family.cfg and args.guidance > 1   # true CFG (Qwen-Image, klein): two rows per sample, a random negative
     negative = vgrpo.rows_of(cond, slice(0, 1)) if cfg else None
     res["cfg"] = cfg
+    rollout_flops = res["flops_forward_row"] * sb * k * (2 if cfg else 1)
     phases = {
         "rollout": (lambda: vgrpo.rollout(family, model, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb], first_k, one,
-                                          negative), sb, res["flops_forward_row"] * sb * k * (2 if cfg else 1)),
+                                          negative), sb, rollout_flops),
+        "forwards": (lambda: bare_forwards(family, model, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb], first_k,
+                                           negative), sb, rollout_flops),
         "old surrogate": (lambda: vgrpo.old_surrogate(family, model, batch, one, 1, from_step=0), mb,
                           res["flops_forward_row"] * mb * args.n_mc),
         "update": (lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1), mb,
@@ -293,7 +299,37 @@ def measure_model(name, a, gpus, device, deadline):
         run_phases(res["compiled"], phases, args, k, a.repeats, device, deadline)
     if "eager" not in a.modes:   # compiled only: its numbers are the phases'
         res["phases"], res["compiled"] = {**res["phases"], **(res["compiled"] or {})}, None
+    if a.profile and time.perf_counter() < deadline:   # the last mode measured: compiled where it was
+        res["profile"] = {phase: profile_table(phases[phase][0], device) for phase in ("rollout", "update")}
+        res["profile_mode"] = "compiled" if family.compiled else "eager"
     return res
+
+
+@torch.no_grad()
+def bare_forwards(family, model, cond, x, sigmas, negative):
+    """vgrpo.rollout's forwards alone, one per ODE step of `sigmas` (whose last point is the end): the same rows,
+    conditioning and sigmas, with CFG's rows made once, and none of the solver's arithmetic."""
+    if negative is not None:   # true CFG: the negative prompt's rows beside the positive ones, as vgrpo.rollout
+        cond = tuple(torch.cat([n.expand_as(t), t]) for n, t in zip(negative, cond))
+        x = torch.cat([x, x])
+    on_device = sigmas.to(x.device)
+    for i in range(len(sigmas) - 1):
+        family.velocity(model, x, on_device[i], cond)
+
+
+def profile_table(fn, device, rows=15):
+    """torch.profiler's table of fn()'s top operations and kernels by their own time on the device (on the CPU: by
+    their own CPU time), after one unprofiled run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        sync(device)
+    return prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                     row_limit=rows, max_name_column_width=60)
 
 
 def run_phases(out, phases, args, k, repeats, device, deadline):
@@ -304,7 +340,7 @@ def run_phases(out, phases, args, k, repeats, device, deadline):
             continue
         seconds, peak, warm_up = timed(fn, device, repeats)
         compile_s = max(warm_up - seconds, 0.0)  # what the first run took beyond a timed one (before any scaling)
-        if phase == "rollout":  # k of the S steps were timed; every step costs the same, so scale to S
+        if phase in ("rollout", "forwards"):  # k of the S steps were timed; every step costs the same: scale to S
             seconds, flops = seconds * args.sample_steps / k, flops * args.sample_steps / k
         out[phase] = dict(samples=samples, seconds=seconds, images_per_s=samples / seconds, peak_gib=peak,
                           tflops=flops / seconds / 1e12, warm_up_s=warm_up, compile_s=compile_s)
@@ -374,6 +410,7 @@ def report(results, meta):
         rows = res["micro_batch"] * res["n_mc"]
         compiled = res.get("compiled") or {}
         for phase, what in (("rollout", f"{res['sample_batch']} x {res['steps']} steps"),
+                            ("forwards", "the rollout's forwards alone"),
                             ("old surrogate", f"{rows}"), ("update", f"{rows}, fwd + bwd"),
                             ("decode", f"{res['decode_batch']} images"), ("reward", "ViT-H/14")):
             p, c = res["phases"].get(phase), compiled.get(phase)
@@ -387,7 +424,33 @@ def report(results, meta):
             memory = next((f"{x['peak_gib']:.1f}" for x in (c, p) if x and x.get("peak_gib") is not None), "")
             samples = (p or c)["samples"]
             lines.append(f"| {title} | {phase} | {samples} | {what} | {eager} | {comp} | {memory} |")
-    return "\n".join(lines + split_lines(results, meta)) + "\n"
+    return "\n".join(lines + loop_lines(results) + split_lines(results, meta) + profile_lines(results, meta)) + "\n"
+
+
+def loop_cost(phases):
+    """The rollout's seconds over its forwards' alone (1.05: the ODE loop adds 5% to the forwards), or None."""
+    if "rollout" in phases and "forwards" in phases:
+        return phases["rollout"]["seconds"] / phases["forwards"]["seconds"]
+    return None
+
+
+def loop_lines(results):
+    costs = [f"{res['model']} {kind} {cost:.3f}x" for res in results
+             for kind, ph in (("eager", res["phases"]), ("compiled", res.get("compiled") or {}))
+             if (cost := loop_cost(ph)) is not None]
+    return [] if not costs else ["", "The ODE loop's cost, the rollout's seconds over those of its forwards alone "
+                                     "(1.05x: the loop adds 5%): " + "; ".join(costs) + "."]
+
+
+def profile_lines(results, meta):
+    """--profile: torch.profiler's top operations of one rollout and one update of each model."""
+    by = "own time on the GPU" if meta["gpu"] else "own CPU time"
+    lines = []
+    for res in results:
+        for phase, table in (res.get("profile") or {}).items():
+            lines += ["", f"Where the time goes: {res['model']}, one {phase} ({res['profile_mode']}), "
+                          f"torch.profiler's top operations by {by}:", "", "```", table.rstrip(), "```"]
+    return lines
 
 
 def split_lines(results, meta):
@@ -433,6 +496,8 @@ def main(argv=None):
     p.add_argument("--modes", default="eager,compiled", help="eager, compiled (vgrpo's --compile: each block "
                                                              "compiled) or both, side by side")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per phase after a warm-up; the fastest counts")
+    p.add_argument("--profile", action="store_true", help="add torch.profiler's top kernels of one rollout and one "
+                                                          "update of each model to the report")
     p.add_argument("--out", default=os.path.join(HERE, "results", "gpu.md"), help="markdown; the JSON goes beside it")
     a = p.parse_args(argv)
     names = a.models.split(",")

@@ -319,13 +319,18 @@ def test_gpu_bench_quick_mode(tmp_path):
     assert [r["model"] for r in data["results"]] == ["SD3.5-M", "FLUX.1-dev"]
     for r in data["results"]:
         ph, split, recipe = r["phases"], r["split"], r["recipe"]
-        assert list(ph) == ["rollout", "old surrogate", "update", "decode", "reward"] and r["lora_rank"] == 32
+        assert list(ph) == ["rollout", "forwards", "old surrogate", "update", "decode", "reward"]
+        assert r["lora_rank"] == 32
         assert r["image_tokens"] == 16 and r["text_tokens"] == 8       # 64 px, 8x VAE, 2x2 patches; 8 text tokens
         # one sample's update: N_MC rows forward, recomputed (checkpointing) and backward: 2 to 5 forwards a row
         assert 2 * r["n_mc"] < r["flops_update_sample"] / r["flops_forward_row"] < 5 * r["n_mc"]
         rollout, upd = ph["rollout"], ph["update"]
         assert rollout["tflops"] == pytest.approx(
             r["flops_forward_row"] * r["sample_batch"] * r["steps"] / rollout["seconds"] / 1e12)
+        # the rollout's forwards alone: the same FLOPs, scaled to the recipe's steps as the rollout is
+        forwards = ph["forwards"]
+        assert forwards["tflops"] * forwards["seconds"] == pytest.approx(rollout["tflops"] * rollout["seconds"])
+        assert f"{r['model']} eager {rollout['seconds'] / ph['forwards']['seconds']:.3f}x" in md
         assert upd["tflops"] == pytest.approx(r["flops_update_sample"] * r["micro_batch"] / upd["seconds"] / 1e12)
         assert upd["images_per_s"] == pytest.approx(r["micro_batch"] / upd["seconds"])
         n = recipe["P"] * recipe["G"]                                  # one process holds every sample
@@ -337,23 +342,61 @@ def test_gpu_bench_quick_mode(tmp_path):
                                                                        "update")))
         assert recipe["inner_steps"] == 1 and split["old surrogate"] == 0   # one inner step: no old pass
         assert r["text_s_per_prompt"] > 0 and r["compiled"] is None and r["split_compiled"] is None
-        assert md.count(f"| {r['model']} 64 px (tiny) | ") == 5 and md.count(f"| {r['model']} | ") == 1
+        assert md.count(f"| {r['model']} 64 px (tiny) | ") == 6 and md.count(f"| {r['model']} | ") == 1
+    assert "Where the time goes" not in md                          # no --profile
     compiled_out = tmp_path / "compiled.md"   # both modes, one model: the compiled phases beside the eager ones
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--quick", "--models", "sd3",
-                        "--rollout-steps", "2", "--out", str(compiled_out)], env=ENV, cwd=ROOT, capture_output=True,
-                       text=True, timeout=900)
+                        "--rollout-steps", "2", "--profile", "--out", str(compiled_out)], env=ENV, cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     r = json.loads((tmp_path / "compiled.json").read_text())["results"][0]
-    assert list(r["compiled"]) == ["rollout", "old surrogate", "update"]
-    for phase, c in r["compiled"].items():
-        assert c["warm_up_s"] > c["seconds"] > 0 and c["compile_s"] > 0   # the first run compiled
+    assert list(r["compiled"]) == ["rollout", "forwards", "old surrogate", "update"]
+    for phase, c in r["compiled"].items():   # the first run compiled (the forwards run what the rollout compiled)
+        assert phase == "forwards" or c["warm_up_s"] > c["seconds"] > 0 and c["compile_s"] > 0
     assert r["split_compiled"]["update"] == pytest.approx(n / r["micro_batch"] * r["compiled"]["update"]["seconds"])
     assert r["split_compiled"]["decode"] == r["split"]["decode"]     # the VAE is not compiled: the eager figure
-    assert "| SD3.5-M | 4 x 8, 10 steps, N_MC 4, 1 inner step(s) | compiled |" in compiled_out.read_text()
+    md = compiled_out.read_text()
+    assert "| SD3.5-M | 4 x 8, 10 steps, N_MC 4, 1 inner step(s) | compiled |" in md
+    # --profile: the top operations of one rollout and one update, of the compiled blocks (their calls are listed)
+    assert r["profile_mode"] == "compiled" and list(r["profile"]) == ["rollout", "update"]
+    for phase in ("rollout", "update"):
+        assert f"Where the time goes: SD3.5-M, one {phase} (compiled)" in md
+        assert "Self CPU time total" in r["profile"][phase] and "aten::mm" in r["profile"][phase]
+    assert "CompiledFunction" in r["profile"]["update"] and "Torch-Compiled Region" in r["profile"]["rollout"]
 
     gpu.main(["--quick", "--time-limit", "0", "--out", str(tmp_path / "nothing.md")])
     nothing = (tmp_path / "nothing.md").read_text()
     assert "Not measured, --time-limit reached first: SD3.5-M, FLUX.1-dev." in nothing and "(tiny) |" not in nothing
+
+
+@pytest.mark.parametrize("name", ["sd3", "qwen-image"])
+def test_the_gpu_bench_times_the_rollouts_own_forwards_against_it(name):
+    """bench/gpu.py's "forwards" phase calls the transformer exactly as vgrpo.rollout does on the same inputs (rows,
+    CFG's doubled rows for Qwen-Image, sigmas, conditioning), once per ODE step, so rollout / forwards is the ODE
+    loop's own cost."""
+    import gpu
+    import vgrpo
+
+    family, args, cond_shapes = gpu.make_family(name, True, torch.device("cpu"))
+    cond, noise, sigmas, _ = gpu.inputs(family, args, cond_shapes, 4, torch.device("cpu"))
+    first_k = torch.cat([sigmas[:3], sigmas[-1:]])                  # 3 steps, as --rollout-steps 3 times them
+    negative = vgrpo.rows_of(cond, slice(0, 1)) if family.cfg and args.guidance > 1 else None
+    assert (negative is not None) == (name == "qwen-image")
+    calls, velocity = {}, family.velocity
+
+    def counted(key):
+        def call(model, x, sigma, c):
+            calls.setdefault(key, []).append((x.shape, x.dtype, sigma.item(), [(t.shape, t.dtype) for t in c]))
+            return velocity(model, x, sigma, c)
+        return call
+
+    sb = args.sample_batch
+    family.velocity = counted("rollout")
+    vgrpo.rollout(family, family.transformer, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb], first_k, args, negative)
+    family.velocity = counted("forwards")
+    gpu.bare_forwards(family, family.transformer, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb], first_k, negative)
+    assert len(calls["rollout"]) == 3 and calls["forwards"] == calls["rollout"]
+    assert calls["rollout"][0][0][0] == sb * (2 if negative is not None else 1)
 
 
 def test_gpu_bench_quick_mode_runs_the_newer_models_with_true_cfg(tmp_path):
@@ -376,7 +419,7 @@ def test_gpu_bench_quick_mode_runs_the_newer_models_with_true_cfg(tmp_path):
     data = json.loads((tmp_path / "gpu.json").read_text())
     assert [r["model"] for r in data["results"]] == ["Qwen-Image", "FLUX.2 [klein] 4B"]
     for r in data["results"]:
-        assert list(r["phases"]) == ["rollout", "old surrogate", "update", "decode", "reward"]
+        assert list(r["phases"]) == ["rollout", "forwards", "old surrogate", "update", "decode", "reward"]
         assert r["cfg"] and r["lora_rank"] == 64 and r["split"]["total"] > 0
         rollout = r["phases"]["rollout"]
         assert rollout["tflops"] == pytest.approx(

@@ -527,22 +527,22 @@ def surrogate(family, model, o, sigmas, eps, cond, weighting):
     return elbo_surrogate(v.view(b, n, *o.shape[1:]), o, sigmas, eps, weighting)
 
 
-@torch.no_grad()
 def old_surrogate(family, model, batch, args, n_prompts, from_step=1):
-    """s_old and x0_hat_old with the sampling weights, on exactly the micro-batches the update will use, for the
-    minibatches of inner steps from_step.. (rows of earlier steps are left NaN). The first minibatch needs no such
-    pass: before any optimizer step the update's own forward is the sampling policy's, bit for bit, and takes its
-    old values from there; so with one inner step (the paper's SD3.5-M setting) there is no old pass at all."""
+    """s_old and x0_hat_old with the sampling weights, on exactly the update's micro-batches, for inner steps
+    from_step.. (earlier rows are left NaN). The first minibatch needs no such pass: before any step the update's own
+    forward is the sampling policy's, bit for bit (so one inner step, the paper's SD3.5-M setting, has no old pass).
+    Compiled, it runs with gradients, as the update does: torch's graph without them rounds differently in bf16."""
     s_old = torch.full((len(batch["o"]),), float("nan"), device=batch["o"].device)
     x0_old = torch.full(batch["eps"].shape, float("nan"), device=batch["o"].device) if args.beta > 0 else None
-    for k, idx in micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch, s_old.device):
-        if k < from_step:
-            continue
-        s, x0 = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
-                          rows_of(batch["cond"], idx), args.weighting)
-        s_old[idx] = s
-        if x0_old is not None:
-            x0_old[idx] = x0
+    with torch.set_grad_enabled(family.compiled):
+        for k, idx in micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch, s_old.device):
+            if k < from_step:
+                continue
+            s, x0 = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
+                              rows_of(batch["cond"], idx), args.weighting)
+            s_old[idx] = s.detach()
+            if x0_old is not None:
+                x0_old[idx] = x0.detach()
     return s_old, x0_old
 
 
@@ -1610,15 +1610,17 @@ def compile_blocks(family, args, device):
     weights are inputs, not constants): SD3.5-M compiles three kinds of block, FLUX two, in seconds rather than the
     minutes a whole-model compile takes. A change of batch (rollout, micro-batch, a partial chunk, evaluation)
     recompiles once with the batch dimension made dynamic, then never again. Every pass that computes a surrogate
-    runs these blocks, so the old surrogate and the update see the same compiled numerics."""
+    runs these blocks, the old surrogate with gradients on as the update (old_surrogate), so the two see the same
+    compiled numerics."""
     small = is_tiny(args.model) or args.model == "digits"  # compiling would take longer than their whole run
     # --kl-to initial switches the LoRA off for its reference, which peft does not support under torch.compile
     eager = device.type != "cuda" or small or args.kl_to == "initial"
     if args.compile == "off" or (args.compile == "auto" and eager):
         return False
     # The blocks of a class share one forward, whose compiled variants count against one limit (8 by default): SD3.5-M
-    # needs 11 (its 3 kinds of block, each without gradients at a static then a dynamic batch and with them, the first
-    # block's input needing none), and past the limit torch runs the remaining variants eagerly, silently.
+    # needs 11 in an iteration and an evaluation (its 3 kinds of block, each without gradients at a static then a
+    # dynamic batch and with them, the first block's input needing none), and past the limit torch runs the remaining
+    # variants eagerly, silently.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in family.blocks():
         block.compile()

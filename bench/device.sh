@@ -35,7 +35,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffu
 } 2>&1 | tee "$out/device.txt"
 {
     # each configuration compiles its blocks (--compile auto on CUDA) within its own --timeout
-    timeout 240 python3 bench/smoke.py --timeout 100 --out "$out/smoke-gpu.md"
+    timeout 240 python3 bench/smoke.py --timeout 100 --budget 225 --out "$out/smoke-gpu.md"
     echo "bench/smoke.py: exit $?"
     timeout 170 python3 bench/memory.py --gpu --time-limit 110 --out "$out/memory-gpu.md"
     echo "bench/memory.py --gpu: exit $?"

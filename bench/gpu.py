@@ -66,11 +66,11 @@ FLUX_CONFIG = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layer
                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                    axes_dims_rope=(16, 56, 56))
 # --quick: the same architectures (dual attention, RMS qk-norm, guidance embedding) at toy width and depth, with
-# every kind of block: SD3.5-M's dual-attention, plain and last (no text output) blocks; FLUX's first double block
-# (its input needs no gradient), the later ones and a single block
-SD3_QUICK = dict(SD3_CONFIG, sample_size=8, num_layers=3, attention_head_dim=8, num_attention_heads=2,
+# every kind of block as torch.compile sees them: the first block (its input needs no gradient), later ones of its
+# class, SD3.5-M's plain and last (no text output) blocks, FLUX's single blocks
+SD3_QUICK = dict(SD3_CONFIG, sample_size=8, num_layers=4, attention_head_dim=8, num_attention_heads=2,
                  joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32, pos_embed_max_size=8,
-                 dual_attention_layers=(0,))
+                 dual_attention_layers=(0, 1))
 FLUX_QUICK = dict(FLUX_CONFIG, num_layers=2, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                   joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
 # Qwen-Image (20.4B) and FLUX.2 [klein] base 4B (3.9B): bench/memory.py's published configurations; --quick: toys

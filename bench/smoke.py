@@ -12,7 +12,9 @@ reward, the prompt store), except that no weights are read: vgrpo.load_pipeline 
 weights made on the GPU, the transformer and VAE at the published configurations (bench/memory.py's), text encoders
 at the real widths with two layers (so their outputs have the real shapes), and the reward is a random ViT-H/14
 CLIP read as PickScore or HPSv2.1. Then vgrpo.train_iteration runs once: rollout, VAE decode, reward, advantages,
-pairs, the old surrogate (FLUX's 4 inner steps) and the update. The digits demo runs as `python vgrpo.py` on CUDA.
+pairs, the old surrogate (FLUX's 4 inner steps) and the update. SD3.5-M's configurations then evaluate (4 held-out
+prompts x 2 images: a batch the rollout did not have, without gradients), as --eval-every does; SD3.5-M's blocks have
+the most compiled variants. The digits demo runs as `python vgrpo.py` on CUDA.
 
 Checked for each, in its own process (a CUDA error poisons the process's context): the update's first forward and
 the old-surrogate pass give the same surrogate (the ratio at the first inner step, exp(s_update - s_old) on the first
@@ -37,15 +39,16 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-# the recipe's command of each configuration, then the cut: one prompt group (FLUX: 8 images, 2 per inner step)
+# the recipe's command of each configuration, then the cut: one prompt group (FLUX: 8 images, 2 per inner step);
+# in this order, FLUX.1-dev early (its recipe is the one that crashed on an H200), in case --budget runs out
 CONFIGS = {
     "digits": ["--model", "digits"],
-    "sd3-lora": ["--model", "sd3", "--reward", "pickscore", "--prompts-per-step", "1", "--group-size", "4"],
-    "sd3-full": ["--model", "sd3", "--reward", "pickscore", "--prompts-per-step", "1", "--group-size", "4",
-                 "--full-finetune"],
     "flux-lora": ["--model", "flux", "--reward", "hpsv2", "--prompts-per-step", "1", "--group-size", "8"],
+    "sd3-lora": ["--model", "sd3", "--reward", "pickscore", "--prompts-per-step", "1", "--group-size", "4"],
     "flux-lora-fsdp": ["--model", "flux", "--reward", "hpsv2", "--prompts-per-step", "1", "--group-size", "8",
                        "--fsdp"],
+    "sd3-full": ["--model", "sd3", "--reward", "pickscore", "--prompts-per-step", "1", "--group-size", "4",
+                 "--full-finetune"],
 }
 # --quick: tiny transformers (bench/gpu.py's) in float32 at 64 px with 4 ODE steps and 8 text tokens
 QUICK = ["--mixed-precision", "no", "--resolution", "64", "--sample-steps", "4", "--max-sequence-length", "8"]
@@ -131,8 +134,9 @@ def run_config(name, quick, out_dir):
     vgrpo.load_pipeline = lambda _name, kind, dtype: random_pipeline(kind, dtype, device, quick)
     reward.REWARDS.update(pickscore=random_clip_reward(quick, True, 26.0), hpsv2=random_clip_reward(quick, False, 1.0))
     vgrpo.quiet_libraries()
+    evaluation = ["--eval-prompts", prompts, "--eval-every", "1", "--eval-images", "2"] if name.startswith("sd3") else []
     args = vgrpo.parse_args([*CONFIGS[name], *(QUICK if quick else []), "--device", device, "--prompts", prompts,
-                             "--iterations", "1", "--output-dir", out_dir])
+                             "--iterations", "1", *evaluation, "--output-dir", out_dir])
     world = int(os.environ.get("WORLD_SIZE", 1))
     vgrpo.validate(args, world)
     started = time.perf_counter()
@@ -145,13 +149,18 @@ def run_config(name, quick, out_dir):
     vgrpo.use_stage(run, start)
     stats, images, prompts_, r, A = vgrpo.train_iteration(run, start)
     m = vgrpo.iteration_metrics(run, start, stats, r, A)
+    held_out = None
+    if args.eval_every:   # the held-out reward's mean, as eval.jsonl has it
+        vgrpo.log_evaluation(run, start + 1)
+        with open(os.path.join(out_dir, "eval.jsonl")) as f:
+            held_out = json.loads(f.readline())[f"eval_{args.reward}"]
     return dict(name=name, flags=" ".join(CONFIGS[name]), resolution=args.resolution, steps=args.sample_steps,
                 n_mc=args.n_mc, inner_steps=args.inner_steps, micro_batch=args.micro_batch, images=len(images),
                 image_tokens=run.family.image_tokens, build_s=built, iteration_s=m["time_total"],
                 phases={k: m[f"time_{k}"] for k in ("rollout", "reward", "old", "update")},
                 policy_loss=m["policy_loss"], grad_norm=m["grad_norm"], skipped_steps=m["skipped_steps"],
                 ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], first_step_ratio=first.get("ratio"),
-                peak_gib=m.get("peak_memory_gib"), device=str(run.device),
+                peak_gib=m.get("peak_memory_gib"), device=str(run.device), held_out_reward=held_out,
                 gpu=torch.cuda.get_device_name() if device == "cuda" else None)
 
 
@@ -214,6 +223,8 @@ def problems(res):
         out.append(f"non-finite loss {res['policy_loss']} or gradient norm {res['grad_norm']}")
     if res["skipped_steps"]:
         out.append(f"{res['skipped_steps']} skipped step(s)")
+    if res.get("held_out_reward") is not None and not math.isfinite(res["held_out_reward"]):
+        out.append(f"non-finite held-out reward {res['held_out_reward']}")
     return out
 
 
@@ -255,20 +266,22 @@ def report(results, meta):
               "real shapes, one prompt group per configuration; ratio: the largest |exp(s_update - s_old) - 1| at the "
               "first inner step (0: the update's first forward and the old-surrogate pass agree bit for bit).", "",
               "| configuration | flags | px, steps, N_MC, inner steps | images | ratio at step 1 | policy loss | "
-              "grad norm | peak GiB | build s | iteration s | result |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+              "grad norm | held-out reward | peak GiB | build s | iteration s | result |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for res in results:
         if res.get("error"):
-            lines.append(f"| {res['name']} | `{' '.join(CONFIGS[res['name']])}` | | | | | | | | | **failed**: "
+            lines.append(f"| {res['name']} | `{' '.join(CONFIGS[res['name']])}` | | | | | | | | | | **failed**: "
                          f"{res['error']} |")
             continue
         bad = problems(res)
         peak = "" if res["peak_gib"] is None else f"{res['peak_gib']:.1f}"
         build = "" if res["build_s"] is None else f"{res['build_s']:.0f}"
         ratio = "" if res["first_step_ratio"] is None else f"{res['first_step_ratio']:.1e}"
+        held_out = res.get("held_out_reward", (res.get("held_out") or [None])[-1])   # digits: the last evaluation's
+        held_out = "" if held_out is None else f"{held_out:.4g}"
         lines.append(f"| {res['name']} | `{res['flags']}` | {res['resolution']}, {res['steps']}, {res['n_mc']}, "
                      f"{res['inner_steps']} | {res['images']} | {ratio} | "
-                     f"{res['policy_loss']:+.3e} | {res['grad_norm']:.3g} | {peak} | {build} | "
+                     f"{res['policy_loss']:+.3e} | {res['grad_norm']:.3g} | {held_out} | {peak} | {build} | "
                      f"{res['iteration_s']:.1f} | {'ok' if not bad else '**failed**: ' + '; '.join(bad)} |")
     return "\n".join(lines) + "\n"
 
@@ -278,6 +291,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: the script's own test")
     p.add_argument("--only", default=",".join(CONFIGS), help=f"comma-separated, from {', '.join(CONFIGS)}")
     p.add_argument("--timeout", type=float, default=150, help="seconds each configuration may take, its start included")
+    p.add_argument("--budget", type=float, default=math.inf, help="seconds for all of them: a configuration gets "
+                   "what is left, if less than --timeout, and none is started once it is spent")
     p.add_argument("--out", default=os.path.join(HERE, "results", "smoke-gpu.md"), help="markdown; JSON beside it")
     p.add_argument("--work", default=None, help="the runs' folders (default: a temporary one)")
     p.add_argument("--child", help=argparse.SUPPRESS)   # inside the child process: this configuration
@@ -303,9 +318,12 @@ def main(argv=None):
                 date=datetime.date.today().isoformat(),
                 command=" ".join(["python bench/smoke.py", *(sys.argv[1:] if argv is None else argv)]))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    deadline = time.perf_counter() + a.budget
     for name in names:
         started = time.perf_counter()
-        res = launch(name, a.quick, a.timeout, work)
+        left = deadline - started
+        res = launch(name, a.quick, min(a.timeout, left), work) if left > 0 else \
+            dict(name=name, error=f"not run: --budget {a.budget:g} s spent")
         results.append(res)
         print(f"{name}: {'; '.join(problems(res)) or 'ok'} ({time.perf_counter() - started:.0f} s)", flush=True)
         with open(a.out, "w") as f:   # after every configuration: a run cut short keeps what it did

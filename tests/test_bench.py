@@ -550,8 +550,8 @@ def test_stability_methods_mode_trains_the_headlines_choices_side_by_side_and_re
 def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_loudly(tmp_path):
     """bench/smoke.py --quick: every configuration (the digits demo, SD3 LoRA and full fine-tuning, FLUX LoRA, FLUX
     under --fsdp by torchrun) runs one whole iteration in its own process through vgrpo's own functions; the update's
-    first forward equals the old-surrogate pass bit for bit; a configuration that fails (here: out of time) is named
-    and the exit code is 1."""
+    first forward equals the old-surrogate pass bit for bit; SD3's evaluate on held-out prompts; a configuration that
+    fails (here: out of time) or is not run (--budget spent) is named and the exit code is 1."""
     out = tmp_path / "smoke.md"
     command = [sys.executable, os.path.join(ROOT, "bench", "smoke.py"), "--quick", "--out", str(out), "--work",
                str(tmp_path / "work")]
@@ -559,7 +559,7 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads((tmp_path / "smoke.json").read_text())
     results = {r["name"]: r for r in data["results"]}
-    assert list(results) == ["digits", "sd3-lora", "sd3-full", "flux-lora", "flux-lora-fsdp"]
+    assert list(results) == ["digits", "flux-lora", "sd3-lora", "flux-lora-fsdp", "sd3-full"]
     for name, r in results.items():
         assert "error" not in r, (name, r)
         assert r["skipped_steps"] == 0 and math.isfinite(r["policy_loss"])
@@ -568,11 +568,17 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
     assert results["flux-lora"]["inner_steps"] == 4 and results["sd3-lora"]["inner_steps"] == 1   # the recipes'
     assert results["flux-lora"]["ratio_max"] > 1 or results["flux-lora"]["ratio_min"] < 1   # later steps moved
     assert results["sd3-lora"]["images"] == 4 and results["flux-lora"]["images"] == 8
+    for name in ("sd3-lora", "sd3-full"):   # the evaluation ran, and its number is eval.jsonl's
+        evaluation = json.loads((tmp_path / "work" / name / "eval.jsonl").read_text())
+        assert results[name]["held_out_reward"] == evaluation["eval_pickscore"] and evaluation["iteration"] == 1
+        assert f"| {results[name]['held_out_reward']:.4g} |" in out.read_text()
+    assert results["flux-lora"]["held_out_reward"] is None
     assert "**Not run on a GPU.**" in out.read_text() and out.read_text().count("| ok |") == 5
-    failing = subprocess.run([*command[:-4], "--only", "sd3-lora", "--timeout", "1", "--out", str(tmp_path / "f.md")],
-                             env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert failing.returncode == 1 and "FAILED: sd3-lora" in failing.stdout
-    assert "**failed**: no result within --timeout 1" in (tmp_path / "f.md").read_text()
+    failing = subprocess.run([*command[:-4], "--only", "sd3-lora,flux-lora", "--budget", "1", "--out",
+                              str(tmp_path / "f.md")], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert failing.returncode == 1 and "FAILED: sd3-lora, flux-lora" in failing.stdout
+    report = (tmp_path / "f.md").read_text()   # the first gets the budget's second, the second nothing
+    assert "**failed**: no result within --timeout 0.9" in report and "**failed**: not run: --budget 1 s spent" in report
 
 
 def test_the_device_script_fits_its_9_minutes_and_8_files():

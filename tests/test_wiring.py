@@ -483,6 +483,7 @@ class LinearModel(torch.nn.Module):
 class LinearFamily:
     """The seam surrogate() uses, with a stand-in model v = a x + c (a the "model", a number or a LinearModel; c
     one value per sample's conditioning): the surrogate is known in closed form and runs on any device, "meta" too."""
+    compiled = False   # as vgrpo.Family without --compile
 
     def __init__(self, transformer=None):
         self.transformer = transformer

@@ -538,11 +538,11 @@ def old_surrogate(family, model, batch, args, n_prompts, from_step=1):
         for k, idx in micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch, s_old.device):
             if k < from_step:
                 continue
-            s, x0 = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
-                              rows_of(batch["cond"], idx), args.weighting)
-            s_old[idx] = s.detach()
+            s, x0 = (t.detach() for t in surrogate(family, model, batch["o"][idx], batch["sigmas"][idx],
+                                                   batch["eps"][idx], rows_of(batch["cond"], idx), args.weighting))
+            s_old[idx] = s  # detached at once: no micro-batch's graph outlives its forward
             if x0_old is not None:
-                x0_old[idx] = x0.detach()
+                x0_old[idx] = x0
     return s_old, x0_old
 
 
@@ -1618,8 +1618,8 @@ def compile_blocks(family, args, device):
     if args.compile == "off" or (args.compile == "auto" and eager):
         return False
     # The blocks of a class share one forward, whose compiled variants count against one limit (8 by default): SD3.5-M
-    # needs 11 in an iteration and an evaluation (its 3 kinds of block, each without gradients at a static then a
-    # dynamic batch and with them, the first block's input needing none), and past the limit torch runs the remaining
+    # needs 11 in an iteration and an evaluation (3 kinds of block in the rollout, 4 in the update, where the first
+    # block's input needs no gradient, 4 at the evaluation's new batch), and past the limit torch runs the remaining
     # variants eagerly, silently.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in family.blocks():

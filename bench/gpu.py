@@ -16,7 +16,8 @@ micro-batches of 4):
   rollout  vgrpo.rollout on one --sample-batch of noises, timed over --rollout-steps ODE steps, scaled to all S
   forwards the rollout's forwards alone (the same rows, conditioning and sigmas, none of the solver's arithmetic):
            rollout / forwards is what the ODE loop adds to the forwards it runs
-  old      vgrpo.old_surrogate on one micro-batch (micro-batch x N_MC rows, no gradients)
+  old      vgrpo.old_surrogate on one micro-batch (micro-batch x N_MC rows; without gradients, or compiled with
+           them, as vgrpo runs it)
   update   vgrpo.update on one micro-batch: forward + backward of its rows, gradient clip, AdamW on the LoRA weights
   decode   vgrpo.decode of --decode-batch latents by the model's VAE (its published configuration)
   reward   the reward on a --sample-batch of images: a random CLIP ViT-H/14 read as PickScore (SD3.5-M, Qwen-Image,
@@ -410,7 +411,7 @@ def report(results, meta):
         rows = res["micro_batch"] * res["n_mc"]
         compiled = res.get("compiled") or {}
         for phase, what in (("rollout", f"{res['sample_batch']} x {res['steps']} steps"),
-                            ("forwards", "the rollout's forwards alone"),
+                            ("forwards", f"{res['sample_batch']} x {res['steps']} steps, forwards only"),
                             ("old surrogate", f"{rows}"), ("update", f"{rows}, fwd + bwd"),
                             ("decode", f"{res['decode_batch']} images"), ("reward", "ViT-H/14")):
             p, c = res["phases"].get(phase), compiled.get(phase)

@@ -383,9 +383,9 @@ NOT_COUNTED = [
     "The update rows already hold the gradients; add the trained weights' float32 size (half the AdamW states row) "
     "to the other phases' rows: 0.1 / 0.5 GiB with LoRA (SD3.5-M / FLUX.1-dev), 8.4 / 44 GiB with full "
     "fine-tuning. One process (one GPU) has no buckets; under --fsdp the sharded gradients are counted.",
-    "- The blocks compiled (`--compile`, on CUDA by default): the rows are eager. Compiled, the old surrogate runs with "
-    "gradients, as the update's forward does (so that the two see one compiled graph), and holds what that forward "
-    "holds for a micro-batch: more than its row, less than the update's.", ""]
+    "- The blocks compiled (`--compile`, on CUDA by default): the rows are eager. Compiled, the old surrogate runs "
+    "with gradients, as the update's forward does (so that the two see one compiled graph), and holds what that "
+    "forward holds for one micro-batch at a time: more than its row, less than the update's.", ""]
 
 
 def write_report(results, path):

@@ -6,7 +6,7 @@
 
 mutmut turns each function of vgrpo.py into a trampoline that runs one mutant at a time, and runs the fast-tier
 tests that call the function (tests/mutmut.cfg, copied into the project's copy as setup.cfg). It leaves decorated
-functions alone, so sample_ode, rollout, old_surrogate and generate, which are @torch.no_grad(), would never be
+functions alone, so sample_ode, rollout and generate, which are @torch.no_grad(), would never be
 mutated: the run works on a copy of the project in which those are wrapped after their definition instead
 (`rollout = torch.no_grad()(rollout)`, the same function).
 Prints the score per function as a markdown table; bench/results/mutation.md holds the last one and the survivors.

@@ -53,6 +53,7 @@ CONFIGS = {
 # --quick: tiny transformers (bench/gpu.py's) in float32 at 64 px with 4 ODE steps and 8 text tokens
 QUICK = ["--mixed-precision", "no", "--resolution", "64", "--sample-steps", "4", "--max-sequence-length", "8"]
 PROMPTS = ["a red apple on a wooden table", "a lighthouse at sunset", "two cats on a sofa", "a bowl of ramen"]
+HELD_OUT = ["a blue bicycle by a canal", "a snowy mountain village", "an owl on a branch", "a cup of green tea"]
 
 
 # --------------------------------------------------------------------------- random weights at the real shapes
@@ -128,13 +129,15 @@ def run_config(name, quick, out_dir):
     import vgrpo
 
     device = "cpu" if quick else "cuda"
-    prompts = os.path.join(out_dir, "prompts.txt")
-    with open(prompts, "w") as f:
-        f.write("\n".join(PROMPTS) + "\n")
+    prompts, held_out_prompts = os.path.join(out_dir, "prompts.txt"), os.path.join(out_dir, "held_out.txt")
+    for path, lines in ((prompts, PROMPTS), (held_out_prompts, HELD_OUT)):
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
     vgrpo.load_pipeline = lambda _name, kind, dtype: random_pipeline(kind, dtype, device, quick)
     reward.REWARDS.update(pickscore=random_clip_reward(quick, True, 26.0), hpsv2=random_clip_reward(quick, False, 1.0))
     vgrpo.quiet_libraries()
-    evaluation = ["--eval-prompts", prompts, "--eval-every", "1", "--eval-images", "2"] if name.startswith("sd3") else []
+    evaluation = ["--eval-prompts", held_out_prompts, "--eval-every", "1", "--eval-images", "2"] \
+        if name.startswith("sd3") else []
     args = vgrpo.parse_args([*CONFIGS[name], *(QUICK if quick else []), "--device", device, "--prompts", prompts,
                              "--iterations", "1", *evaluation, "--output-dir", out_dir])
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -223,8 +226,9 @@ def problems(res):
         out.append(f"non-finite loss {res['policy_loss']} or gradient norm {res['grad_norm']}")
     if res["skipped_steps"]:
         out.append(f"{res['skipped_steps']} skipped step(s)")
-    if res.get("held_out_reward") is not None and not math.isfinite(res["held_out_reward"]):
-        out.append(f"non-finite held-out reward {res['held_out_reward']}")
+    held_out = res.get("held_out_reward", (res.get("held_out") or [None])[-1])   # digits: its last accuracy
+    if held_out is not None and not math.isfinite(held_out):
+        out.append(f"non-finite held-out evaluation {held_out}")
     return out
 
 
@@ -264,9 +268,10 @@ def report(results, meta):
                   ""]
     lines += [f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, {meta['date']}. Random weights at the "
               "real shapes, one prompt group per configuration; ratio: the largest |exp(s_update - s_old) - 1| at the "
-              "first inner step (0: the update's first forward and the old-surrogate pass agree bit for bit).", "",
+              "first inner step (0: the update's first forward and the old-surrogate pass agree bit for bit); "
+              "held-out: the mean reward on 4 held-out prompts (digits: the accuracy of its last evaluation).", "",
               "| configuration | flags | px, steps, N_MC, inner steps | images | ratio at step 1 | policy loss | "
-              "grad norm | held-out reward | peak GiB | build s | iteration s | result |",
+              "grad norm | held-out | peak GiB | build s | iteration s | result |",
               "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for res in results:
         if res.get("error"):
@@ -277,7 +282,7 @@ def report(results, meta):
         peak = "" if res["peak_gib"] is None else f"{res['peak_gib']:.1f}"
         build = "" if res["build_s"] is None else f"{res['build_s']:.0f}"
         ratio = "" if res["first_step_ratio"] is None else f"{res['first_step_ratio']:.1e}"
-        held_out = res.get("held_out_reward", (res.get("held_out") or [None])[-1])   # digits: the last evaluation's
+        held_out = res.get("held_out_reward", (res.get("held_out") or [None])[-1])   # digits: its last accuracy
         held_out = "" if held_out is None else f"{held_out:.4g}"
         lines.append(f"| {res['name']} | `{res['flags']}` | {res['resolution']}, {res['steps']}, {res['n_mc']}, "
                      f"{res['inner_steps']} | {res['images']} | {ratio} | "
@@ -324,6 +329,8 @@ def main(argv=None):
         left = deadline - started
         res = launch(name, a.quick, min(a.timeout, left), work) if left > 0 else \
             dict(name=name, error=f"not run: --budget {a.budget:g} s spent")
+        if left < a.timeout and res.get("error", "").startswith("no result within"):   # cut short by the budget
+            res["error"] = f"no result within the {left:.0f} s left of --budget {a.budget:g}"
         results.append(res)
         print(f"{name}: {'; '.join(problems(res)) or 'ok'} ({time.perf_counter() - started:.0f} s)", flush=True)
         with open(a.out, "w") as f:   # after every configuration: a run cut short keeps what it did

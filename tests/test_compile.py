@@ -49,8 +49,8 @@ def test_compiled_blocks_see_the_old_surrogates_numerics_and_stop_recompiling(tm
     finally:
         vgrpo.update = real_update
     # the old-surrogate pass and the update's first forward (checkpointing): one numerics, in float32 and in bf16,
-    # where the graphs torch compiles for passes with and without gradients round differently (5.6e-5 measured on
-    # SD3.5-M's blocks at toy width when the old pass ran without gradients)
+    # where the graphs torch compiles for passes with and without gradients round differently (3.1e-5 here when the
+    # old pass ran without gradients)
     assert first["on"]["ratio"] == 0.0 and first["off"]["ratio"] == 0.0 and first["bf16"]["ratio"] == 0.0
     assert graphs[0] == graphs[1] and graphs[2] > graphs[1] and graphs[3] == graphs[2]   # compiled once, then reused
     assert graphs[4] > graphs[3] and graphs[5] == graphs[4]
@@ -102,6 +102,7 @@ def test_every_compiled_variant_of_the_sd35_blocks_stays_compiled(tmp_path, monk
 
     real_compile = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self: real_compile(self, backend="eager"))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)   # torch's default: compile_blocks raises it
     monkeypatch.setattr(smoke, "QUICK", [*smoke.QUICK, "--compile", "on"])
     for name in ("update", "load_pipeline"):       # smoke.run_config replaces them for its own process
         monkeypatch.setattr(vgrpo, name, getattr(vgrpo, name))
@@ -109,7 +110,10 @@ def test_every_compiled_variant_of_the_sd35_blocks_stays_compiled(tmp_path, monk
         monkeypatch.setitem(reward.REWARDS, name, reward.REWARDS[name])
     torch._dynamo.reset()
     before = dict(counters["frames"])
-    result = smoke.run_config("sd3-lora", True, str(tmp_path))   # SD3.5-M's blocks at toy width, and an evaluation
+    try:
+        result = smoke.run_config("sd3-lora", True, str(tmp_path))   # SD3.5-M's blocks at toy width, an evaluation
+    finally:
+        torch._dynamo.reset()   # the eager backend's entries must not count against later tests' limit
     attempted, compiled = (counters["frames"][k] - before.get(k, 0) for k in ("total", "ok"))
     assert compiled >= 9 and attempted == compiled          # more variants than the default limit, every one compiled
     assert result["first_step_ratio"] == 0.0 and result["skipped_steps"] == 0

@@ -518,6 +518,35 @@ def test_old_surrogate_holds_the_sampling_policys_values_of_the_later_minibatche
         assert s_old.device.type == x0_old.device.type == "meta"   # made where the batch lives
 
 
+def test_compiled_the_old_surrogate_runs_with_gradients_and_frees_each_micro_batchs_graph(out_dir, monkeypatch):
+    """With compiled blocks the old pass runs with gradients, as the update's forward does (torch compiles the two
+    modes apart, and they round differently in bf16): the values it keeps are detached and the eager pass's, no
+    gradient reaches the model, and no micro-batch's graph outlives its forward (two alive would double the pass's
+    memory)."""
+    import weakref
+
+    args = make_args(out_dir, "--inner-steps", "2", "--micro-batch", "1", "--beta", 0.5)
+    batch, model, real_surrogate = linear_batch(8), LinearModel(), vgrpo.surrogate
+    graphs, grad_modes = [], []
+
+    def watched(*a, **kw):
+        assert all(ref() is None for ref in graphs), "an earlier micro-batch's graph is still alive"
+        grad_modes.append(torch.is_grad_enabled())
+        s, x0 = real_surrogate(*a, **kw)
+        graphs.extend(weakref.ref(t) for t in (s, x0) if t.requires_grad)
+        return s, x0
+
+    monkeypatch.setattr(vgrpo, "surrogate", watched)
+    eager = call_old_surrogate(LinearFamily(), model, batch, args, 2)
+    compiled_family = LinearFamily()
+    compiled_family.compiled = True
+    compiled = call_old_surrogate(compiled_family, model, batch, args, 2)
+    assert grad_modes == [False] * 4 + [True] * 4 and len(graphs) == 8   # the second minibatch: 4 micro-batches
+    for e, c in zip(eager, compiled):
+        assert not c.requires_grad and torch.equal(e.nan_to_num(), c.nan_to_num())
+    assert model.a.grad is None
+
+
 # --------------------------------------------------------------------------- update()
 
 

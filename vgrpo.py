@@ -1635,6 +1635,15 @@ def compiled_graphs():
     return counters["frames"]["ok"]
 
 
+def compile_seconds():
+    """The seconds torch.compile has spent compiling frames in this process so far (its own timer of each frame's
+    compile, the backend's included), or None where this torch does not keep that timer."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    times = [sum(v) for k, v in compilation_time_metrics.items() if k.endswith("compile_inner")]
+    return sum(times) if times else None
+
+
 def wrap_for_training(family, args, world, device):
     """DDP (every rank holds every weight, gradients averaged) or, with --fsdp, FSDP2: each transformer block
     sharded over the ranks, then the root, so weights, gradients and AdamW states take 1/world of the memory.
@@ -2125,8 +2134,8 @@ def iteration_metrics(run, it, stats, r, A):
         m["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
         torch.cuda.reset_peak_memory_stats(run.device)
     m["time_total"] = sum(m[k] for k in ("time_rollout", "time_reward", "time_old", "time_update"))
-    if run.family.compiled:  # frames compiled so far: it grows only while shapes are still new
-        m["compiled_graphs"] = compiled_graphs()
+    if run.family.compiled:  # frames compiled so far, and the seconds it took: they grow while shapes are new
+        m["compiled_graphs"], m["compile_s"] = compiled_graphs(), compile_seconds()
     return m
 
 

@@ -87,6 +87,8 @@ def test_compiled_runs_resume_exactly_and_train_the_same_on_two_processes(tmp_pa
     assert metrics(tmp_path / "sharded")[1]["compiled_graphs"] == metrics(tmp_path / "sharded")[0]["compiled_graphs"]
     m = metrics(tmp_path / "whole")
     assert m[0]["compiled_graphs"] > 0 and m[1]["compiled_graphs"] == m[0]["compiled_graphs"]
+    assert m[0]["compile_s"] > 0 and m[1]["compile_s"] == m[0]["compile_s"]     # compiled in the first iteration only
+    assert m[0]["compile_s"] < m[0]["time_total"]                                # and within it
     assert metrics(tmp_path / "resumed")[-1]["policy_loss"] == m[1]["policy_loss"]
 
 

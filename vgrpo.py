@@ -1601,7 +1601,7 @@ def initial_x0(family, batch, args, n_prompts):
     return x0_ref
 
 
-RECOMPILE_LIMIT = 64  # compiled variants allowed per block class (compile_blocks); SD3.5-M needs 11, 14 under FSDP2
+RECOMPILE_LIMIT = 64  # compiled variants allowed per block class (torch's default, 8, is too few: compile_blocks)
 
 
 def compile_blocks(family, args, device):
@@ -1619,8 +1619,8 @@ def compile_blocks(family, args, device):
         return False
     # The blocks of a class share one forward, whose compiled variants count against one limit (8 by default): SD3.5-M
     # needs 11 in an iteration and an evaluation (3 kinds of block in the rollout, 4 in the update, where the first
-    # block's input needs no gradient, 4 at the evaluation's new batch), and past the limit torch runs the remaining
-    # variants eagerly, silently.
+    # block's input needs no gradient, 4 at the evaluation's new batch; 14 under FSDP2), and past the limit torch runs
+    # the remaining variants eagerly, silently.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in family.blocks():
         block.compile()

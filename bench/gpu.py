@@ -279,12 +279,13 @@ def measure_model(name, a, gpus, device, deadline):
     cfg = family.cfg and args.guidance > 1   # true CFG (Qwen-Image, klein): two rows per sample, a random negative
     negative = vgrpo.rows_of(cond, slice(0, 1)) if cfg else None
     res["cfg"] = cfg
+    rollout_cond = vgrpo.rows_of(cond, slice(0, sb))
     rollout_flops = res["flops_forward_row"] * sb * k * (2 if cfg else 1)
     phases = {
-        "rollout": (lambda: vgrpo.rollout(family, model, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb], first_k, one,
-                                          negative), sb, rollout_flops),
-        "forwards": (lambda: bare_forwards(family, model, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb], first_k,
-                                           negative), sb, rollout_flops),
+        "rollout": (lambda: vgrpo.rollout(family, model, rollout_cond, noise[:sb], first_k, one, negative), sb,
+                    rollout_flops),
+        "forwards": (lambda: bare_forwards(family, model, rollout_cond, noise[:sb], first_k, negative), sb,
+                     rollout_flops),
         "old surrogate": (lambda: vgrpo.old_surrogate(family, model, batch, one, 1, from_step=0), mb,
                           res["flops_forward_row"] * mb * args.n_mc),
         "update": (lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1), mb,

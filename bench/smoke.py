@@ -226,17 +226,23 @@ def problems(res):
         out.append(f"non-finite loss {res['policy_loss']} or gradient norm {res['grad_norm']}")
     if res["skipped_steps"]:
         out.append(f"{res['skipped_steps']} skipped step(s)")
-    held_out = res.get("held_out_reward", (res.get("held_out") or [None])[-1])   # digits: its last accuracy
+    held_out = held_out_number(res)
     if held_out is not None and not math.isfinite(held_out):
         out.append(f"non-finite held-out evaluation {held_out}")
     return out
 
 
+def held_out_number(res):
+    """The held-out reward's mean (SD3.5-M), the accuracy of the last evaluation (digits), or None (not evaluated)."""
+    return res.get("held_out_reward", (res.get("held_out") or [None])[-1])
+
+
 # --------------------------------------------------------------------------- all of them, and the report
 
 
-def launch(name, quick, timeout, work):
-    """Configuration `name` in a fresh process (torchrun with one process for --fsdp) -> its result or its error."""
+def launch(name, quick, timeout, work, limit=None):
+    """Configuration `name` in a fresh process (torchrun with one process for --fsdp) -> its result or its error.
+    limit: what the timeout is, for the error (default: --timeout)."""
     out_dir = os.path.join(work, name)
     os.makedirs(out_dir, exist_ok=True)
     result_file = os.path.join(out_dir, "result.json")
@@ -252,7 +258,7 @@ def launch(name, quick, timeout, work):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return dict(name=name, error=f"no result within --timeout {timeout:g} s")
+        return dict(name=name, error=f"no result within {limit or f'--timeout {timeout:g} s'}")
     if proc.returncode or not os.path.isfile(result_file):
         last = [line for line in output.strip().splitlines() if line.strip()][-3:]
         return dict(name=name, error=f"exit {proc.returncode}: {' / '.join(last)[-400:]}")
@@ -282,8 +288,7 @@ def report(results, meta):
         peak = "" if res["peak_gib"] is None else f"{res['peak_gib']:.1f}"
         build = "" if res["build_s"] is None else f"{res['build_s']:.0f}"
         ratio = "" if res["first_step_ratio"] is None else f"{res['first_step_ratio']:.1e}"
-        held_out = res.get("held_out_reward", (res.get("held_out") or [None])[-1])   # digits: its last accuracy
-        held_out = "" if held_out is None else f"{held_out:.4g}"
+        held_out = "" if held_out_number(res) is None else f"{held_out_number(res):.4g}"
         lines.append(f"| {res['name']} | `{res['flags']}` | {res['resolution']}, {res['steps']}, {res['n_mc']}, "
                      f"{res['inner_steps']} | {res['images']} | {ratio} | "
                      f"{res['policy_loss']:+.3e} | {res['grad_norm']:.3g} | {held_out} | {peak} | {build} | "
@@ -327,10 +332,9 @@ def main(argv=None):
     for name in names:
         started = time.perf_counter()
         left = deadline - started
-        res = launch(name, a.quick, min(a.timeout, left), work) if left > 0 else \
+        budget_left = f"the {left:.0f} s left of --budget {a.budget:g}" if left < a.timeout else None
+        res = launch(name, a.quick, min(a.timeout, left), work, budget_left) if left > 0 else \
             dict(name=name, error=f"not run: --budget {a.budget:g} s spent")
-        if left < a.timeout and res.get("error", "").startswith("no result within"):   # cut short by the budget
-            res["error"] = f"no result within the {left:.0f} s left of --budget {a.budget:g}"
         results.append(res)
         print(f"{name}: {'; '.join(problems(res)) or 'ok'} ({time.perf_counter() - started:.0f} s)", flush=True)
         with open(a.out, "w") as f:   # after every configuration: a run cut short keeps what it did

@@ -4,8 +4,10 @@
 #                          the ratio at the first inner step, finite losses, peak memory; exits 1 naming a failure
 #   bench/memory.py --gpu  every phase's peak (allocated and reserved) beside results/memory.json's fake-CUDA bytes,
 #                          and the CUDA context's size
-#   bench/gpu.py           seconds, TFLOP/s and peak memory of rollout / old surrogate / update at the real shapes,
-#                          eager and compiled, the ODE loop's cost and the top kernels (--profile)
+#   bench/gpu.py           each attention kernel alone at both models' shapes (--kernels: flash, memory-efficient,
+#                          math, FlashAttention 3 / 4 where installed, cuDNN last in its child process), then seconds,
+#                          TFLOP/s and peak memory of rollout / old surrogate / update at the real shapes, eager and
+#                          compiled, the ODE loop's cost and the top kernels (--profile)
 # Results go to $OUT (or bench/results/), 8 files: smoke-gpu.md, smoke-gpu.json, memory-gpu.md, memory-gpu.json,
 # gpu.md, gpu.json, device.txt, device.log (this script's whole output).
 #
@@ -35,10 +37,11 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffu
 } 2>&1 | tee "$out/device.txt"
 {
     # each configuration compiles its blocks (--compile auto on CUDA) within its own --timeout
-    timeout 240 python3 bench/smoke.py --timeout 100 --budget 225 --out "$out/smoke-gpu.md"
+    timeout 235 python3 bench/smoke.py --timeout 100 --budget 220 --out "$out/smoke-gpu.md"
     echo "bench/smoke.py: exit $?"
-    timeout 170 python3 bench/memory.py --gpu --time-limit 110 --out "$out/memory-gpu.md"
+    timeout 165 python3 bench/memory.py --gpu --time-limit 105 --out "$out/memory-gpu.md"
     echo "bench/memory.py --gpu: exit $?"
-    timeout 120 python3 bench/gpu.py --time-limit 80 --repeats 1 --profile --out "$out/gpu.md"
+    # the kernel probe first (about 15 s of the 95), then the models until --time-limit
+    timeout 140 python3 bench/gpu.py --kernels --time-limit 95 --repeats 1 --profile --out "$out/gpu.md"
     echo "bench/gpu.py: exit $?"
 } 2>&1 | tee "$out/device.log"

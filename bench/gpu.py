@@ -45,6 +45,7 @@ import gc
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import types
@@ -178,18 +179,30 @@ def text_encoding(name, quick, device, dtype, max_t5_tokens, prompts=32):
     return seconds / prompts
 
 
+def recipe_args(name, quick):
+    """The recipe's Args with its LoRA; --quick: the tiny models' batch settings with the model's own LoRA rank (r32,
+    or r64 for the newer ones)."""
+    args = vgrpo.Args(model=name)
+    if quick:
+        tiny = vgrpo.Args(model="tiny-flux" if name == "flux" else "tiny")
+        args = dataclasses.replace(tiny, model=name, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                                   guidance=args.guidance if name != "sd3" else tiny.guidance)
+    return dataclasses.replace(args, full_finetune=False)   # LoRA in --quick too
+
+
+def micro_batch(args, gpus, quick):
+    """vgrpo.validate's default micro-batch for the recipe on `gpus` GPUs (16 for the tiny models)."""
+    minibatch = args.prompts_per_step // gpus * args.group_size // args.inner_steps
+    return math.gcd(minibatch, 16 if quick else 4)
+
+
 def make_family(name, quick, device):
     """vgrpo's Family of the model around a bare transformer, and the recipe's Args with its LoRA. A stand-in
     pipeline holds the transformer, the VAE, the scheduler (for the sigma grid) and the pipeline's static helpers."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     cls_name, config, quick_config, (tokens, after) = MODELS[name]
-    args = vgrpo.Args(model=name)
-    if quick:   # the tiny models' batch settings, the model's own LoRA rank (r32, or r64 for the newer ones)
-        tiny = vgrpo.Args(model="tiny-flux" if name == "flux" else "tiny")
-        args = dataclasses.replace(tiny, model=name, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                                   guidance=args.guidance if name != "sd3" else tiny.guidance)
-    args = dataclasses.replace(args, full_finetune=False)   # LoRA in --quick too
+    args = recipe_args(name, quick)
     config, tokens, resolution = (quick_config, 8, 64) if quick else (config, tokens, args.resolution)
     amp = None if quick else torch.bfloat16
     transformer = build_transformer(cls_name, config, device, amp or torch.float32)
@@ -256,8 +269,7 @@ def measure_model(name, a, gpus, device, deadline):
     model = family.transformer
     params = vgrpo.add_trainable_weights(family, args)
     optimizer = torch.optim.AdamW(params, lr=args.lr)
-    minibatch = args.prompts_per_step // gpus * args.group_size // args.inner_steps
-    mb = math.gcd(minibatch, 16 if a.quick else 4)                               # vgrpo.validate's default
+    mb = micro_batch(args, gpus, a.quick)
     sb, k = args.sample_batch, min(a.rollout_steps, args.sample_steps)
     one = dataclasses.replace(args, micro_batch=mb, group_size=mb, inner_steps=1)   # exactly one micro-batch
     cond, noise, sigmas, batch = inputs(family, args, cond_shapes, mb, device)
@@ -332,6 +344,181 @@ def profile_table(fn, device, rows=15):
         sync(device)
     return prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                      row_limit=rows, max_name_column_width=60)
+
+
+# --kernels: torch's SDPA kernels timed alone at each model's attention shapes, in this order; FlashAttention 3 and 4
+# (torch's registered implementations of its flash kernel, where their packages are installed) come after torch's own
+# flash kernel, which they replace for the rest of the process. cuDNN's runs last: its known failure in the backward
+# (an illegal memory access, docs/method.md#attention-kernels) poisons the process's CUDA context, so the probe runs in
+# a child process, and what it measured before a crash is kept.
+def sdpa_kernels():
+    lister = getattr(torch.nn.attention, "list_flash_attention_impls", None)   # torch 2.11+
+    return ("flash", "efficient", "math", *(impl.lower() for impl in (lister() if lister else ())), "cudnn")
+
+
+def attention_shapes(names, quick, gpus):
+    """Each model's attention as its recipe runs it, (model, pass, rows, heads, tokens, head dim, masked): the rollout's
+    forward at its sample batch (two rows a sample with CFG) and the update's forward and backward at a micro-batch
+    of N_MC rows a sample. Image tokens: an 8x VAE and 2x2 patches, (resolution / 16)^2; SD3.5-M's dual-attention
+    blocks attend over the image tokens alone as well (their second attention); Qwen-Image's attention takes its text
+    mask (a boolean mask over the tokens, which torch's flash kernel does not accept)."""
+    shapes = []
+    for name in names:
+        args = recipe_args(name, quick)
+        _, config, quick_config, (tokens, after) = MODELS[name]
+        config, tokens, resolution = (quick_config, 8, 64) if quick else (config, tokens, args.resolution)
+        length = (resolution // 16) ** 2 + tokens
+        heads, dim = config["num_attention_heads"], config["attention_head_dim"]
+        cfg = vgrpo.PIPELINES[name][1].cfg and args.guidance > 1
+        lengths = [("", length)] + [(" (image tokens)", length - tokens)] * bool(config.get("dual_attention_layers"))
+        for phase, rows in (("rollout", args.sample_batch * (2 if cfg else 1)),
+                            ("update", micro_batch(args, gpus, quick) * args.n_mc)):
+            shapes += [(TITLES[name], phase + label, rows, heads, tokens, dim, after == "mask")
+                       for label, tokens in lengths]
+    return shapes
+
+
+def attention_flops(rows, heads, tokens, dim, backward):
+    """FLOPs of one attention as torch's FlopCounterMode counts them: QK^T and PV forward (2 matmuls of 2*L*L*D a
+    head), four more matmuls of the same size backward."""
+    return 2 * rows * heads * tokens * tokens * dim * (6 if backward else 2)
+
+
+def time_kernels(shapes, kernels, device, repeats=3):
+    """Child process of --kernels: for each kernel and shape, print one JSON line with the fastest of `repeats` runs
+    after a warm-up (milliseconds) and the largest difference from float32 math attention on the first row (relative
+    to that output's largest value; gradients too for the update), or the error. After a CUDA error the context is
+    unusable, so the rest are reported as not run."""
+    from torch.nn.attention import SDPBackend, activate_flash_attention_impl, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    broken = None
+    for kernel in kernels:
+        for model, phase, rows, heads, tokens, dim, masked in shapes:
+            row = dict(kernel=kernel, model=model, phase=phase)
+            if broken:
+                print(json.dumps(dict(row, error=f"not run: {broken}")), flush=True)
+                continue
+            try:
+                if kernel not in backends:   # fa3, fa4: torch's flash kernel, replaced by FlashAttention's package
+                    activate_flash_attention_impl(kernel.upper())
+                    backends[kernel] = SDPBackend.FLASH_ATTENTION
+                g = torch.Generator(device).manual_seed(0)
+                backward = phase.startswith("update")
+                qkv = [torch.randn(rows, heads, tokens, dim, device=device, dtype=dtype, generator=g)
+                       .requires_grad_(backward) for _ in range(3)]
+                grad_out = torch.randn(rows, heads, tokens, dim, device=device, dtype=dtype, generator=g)
+                mask = torch.ones(rows, 1, 1, tokens, dtype=torch.bool, device=device) if masked else None
+
+                def attend(q, k, v, backend):
+                    with sdpa_kernel(backend):
+                        out = torch.nn.functional.scaled_dot_product_attention(
+                            q, k, v, attn_mask=None if mask is None else mask[:len(q)])
+                    if not q.requires_grad:
+                        return [out]
+                    return [out, *torch.autograd.grad(out, (q, k, v), grad_out[:len(q)])]
+
+                first = [t[:1].detach().float().requires_grad_(t.requires_grad) for t in qkv]
+                with torch.enable_grad() if backward else torch.no_grad():
+                    reference = attend(*first, SDPBackend.MATH)
+                    got = attend(*qkv, backends[kernel])
+                    error = max(((a[:1].float() - b).abs().max() / b.abs().max()).item()
+                                for a, b in zip(got, reference))
+                    seconds, _, _ = timed(lambda: attend(*qkv, backends[kernel]), device, repeats)
+                flops = attention_flops(rows, heads, tokens, dim, backward)
+                print(json.dumps(dict(row, ms=seconds * 1e3, tflops=flops / seconds / 1e12, error=None,
+                                      max_rel_diff=error)), flush=True)
+            except Exception as e:   # noqa: BLE001  (an unsupported kernel, a failing one: both are results)
+                message = " ".join(str(e).split())[:200]
+                print(json.dumps(dict(row, error=message)), flush=True)
+                if device.type == "cuda" and ("CUDA error" in message or "illegal" in message):
+                    broken = f"a CUDA error in {kernel} at {model} {phase} left the context unusable"
+            finally:
+                qkv = grad_out = first = mask = None
+
+
+def measure_kernels(names, quick, gpus, timeout):
+    """--kernels: every SDPA kernel at every shape of attention_shapes, timed in a child process (time_kernels) ->
+    (shapes, kernels, rows, which kernel torch picks under vgrpo's default --attention)."""
+    shapes, kernels = attention_shapes(names, quick, gpus), sdpa_kernels()
+    spec = json.dumps(dict(shapes=shapes, kernels=kernels, quick=quick))
+    try:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--time-kernels", spec], capture_output=True,
+                           text=True, timeout=timeout)
+        stdout, failure = p.stdout, (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1] \
+            if p.returncode else None
+    except subprocess.TimeoutExpired as e:
+        stdout, failure = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else e.stdout or "", \
+            f"timed out after {timeout} s"
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    done = {(r["kernel"], r["model"], r["phase"]) for r in rows}
+    rows += [dict(kernel=kernel, model=model, phase=phase, error=f"the probe stopped: {failure}")
+             for kernel in kernels for model, phase, *_ in shapes if (kernel, model, phase) not in done]
+    return dict(shapes=[dict(zip(("model", "phase", "rows", "heads", "tokens", "head_dim", "masked"), s))
+                        for s in shapes],
+                kernels=kernels, rows=rows, picked=default_kernel(shapes, quick))
+
+
+def default_kernel(shapes, quick):
+    """The SDPA kernel torch picks for each shape under vgrpo's default --attention (its own selection logic, asked
+    without running anything), e.g. {"SD3.5-M update": "flash"}."""
+    from torch.nn.attention import SDPBackend
+
+    device = torch.device("cpu" if quick else "cuda")
+    dtype = torch.float32 if quick else torch.bfloat16
+    names = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.EFFICIENT_ATTENTION: "efficient",
+             SDPBackend.MATH: "math", SDPBackend.CUDNN_ATTENTION: "cudnn"}
+    vgrpo.choose_attention_kernels(vgrpo.default_flags()["attention"])
+    picked = {}
+    for model, phase, _, heads, tokens, dim, masked in shapes:
+        q = torch.empty(1, heads, tokens, dim, device=device, dtype=dtype, requires_grad=phase.startswith("update"))
+        mask = torch.ones(1, 1, 1, tokens, dtype=torch.bool, device=device) if masked else None
+        picked[f"{model} {phase}"] = names[SDPBackend(torch._fused_sdp_choice(q, q, q, mask))]
+    return picked
+
+
+def failure_cell(error):
+    """A kernel's error in a few words (the JSON keeps it whole)."""
+    if "No viable backend" in error:
+        return "no such kernel for these inputs here"
+    if error.startswith("No module named"):
+        return "not installed (" + error.split("'")[1] + ")"
+    return "fails: " + (error if len(error) <= 80 else error[:77] + "...")
+
+
+def kernel_lines(kernels, meta):
+    """--kernels' table: a column per kernel, a row per model and pass."""
+    if not kernels:
+        return []
+    peak = meta["peak_tflops"]
+    by = {(r["model"], r["phase"], r["kernel"]): r for r in kernels["rows"]}
+    dtype = "bf16" if meta["gpu"] else "float32"
+    lines = ["", f"Attention alone (`scaled_dot_product_attention` under each kernel, random {dtype} inputs, a mask "
+                 "of ones where the model passes one; "
+                 "the update's pass includes the backward): ms, TFLOP/s, and the largest difference from float32 "
+                 "math attention relative to the output's largest value:", "",
+             "| model | pass | rows x heads x tokens x dim | " + " | ".join(kernels["kernels"]) + " | torch picks |",
+             "| --- | --- | --- |" + " --- |" * (len(kernels["kernels"]) + 1)]
+    for s in kernels["shapes"]:
+        cells = []
+        for kernel in kernels["kernels"]:
+            r = by.get((s["model"], s["phase"], kernel), {"error": "not run"})
+            if r.get("error"):
+                cells.append(failure_cell(r["error"]))
+                continue
+            share = f" ({r['tflops'] / peak:.0%})" if peak else ""
+            cells.append(f"{r['ms']:.3g} ms, {r['tflops']:.3g}{share}, diff {r['max_rel_diff']:.1g}")
+        picked = kernels["picked"].get(f"{s['model']} {s['phase']}", "")
+        mask = ", masked" if s["masked"] else ""
+        lines.append(f"| {s['model']} | {s['phase']} | {s['rows']} x {s['heads']} x {s['tokens']} x {s['head_dim']}"
+                     f"{mask} | " + " | ".join(cells) + f" | {picked} |")
+    lines += ["", "\"torch picks\": what torch's own selection chooses under vgrpo's default `--attention "
+                  f"{vgrpo.default_flags()['attention']}`. fa3, fa4: torch's flash kernel replaced by FlashAttention 3 "
+                  "or 4 (torch.nn.attention.activate_flash_attention_impl), which needs their packages "
+                  "(flash_attn_interface; flash_attn.cute)."]
+    return lines
 
 
 def run_phases(out, phases, args, k, repeats, device, deadline):
@@ -426,7 +613,8 @@ def report(results, meta):
             memory = next((f"{x['peak_gib']:.1f}" for x in (c, p) if x and x.get("peak_gib") is not None), "")
             samples = (p or c)["samples"]
             lines.append(f"| {title} | {phase} | {samples} | {what} | {eager} | {comp} | {memory} |")
-    return "\n".join(lines + loop_lines(results) + split_lines(results, meta) + profile_lines(results, meta)) + "\n"
+    return "\n".join(lines + loop_lines(results) + split_lines(results, meta) + kernel_lines(meta["kernels"], meta)
+                     + profile_lines(results, meta)) + "\n"
 
 
 def loop_cost(phases):
@@ -500,18 +688,31 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="timed runs per phase after a warm-up; the fastest counts")
     p.add_argument("--profile", action="store_true", help="add torch.profiler's top kernels of one rollout and one "
                                                           "update of each model to the report")
+    p.add_argument("--kernels", action="store_true", help="first time each SDPA kernel alone at every model's "
+                                                          "attention shapes (a child process, at most 60 s)")
+    p.add_argument("--time-kernels", help=argparse.SUPPRESS)   # --kernels' child process: its JSON specification
     p.add_argument("--out", default=os.path.join(HERE, "results", "gpu.md"), help="markdown; the JSON goes beside it")
     a = p.parse_args(argv)
+    if a.time_kernels:
+        spec = json.loads(a.time_kernels)
+        return time_kernels(spec["shapes"], spec["kernels"], torch.device("cpu" if spec["quick"] else "cuda"))
     names = a.models.split(",")
     if not set(names) <= set(MODELS) or not set(a.modes.split(",")) <= {"eager", "compiled"}:
         p.error(f"--models {a.models} --modes {a.modes}: choose from {', '.join(MODELS)}; eager, compiled")
     if not a.quick and not torch.cuda.is_available():
         p.error("no CUDA device here: the GPU benchmark needs one (--quick runs tiny shapes on the CPU)")
     device = torch.device("cpu" if a.quick else "cuda")
+    deadline, gpus = time.perf_counter() + a.time_limit, 1 if a.quick else a.gpus
+    kernels = None
+    if a.kernels:   # before --attention's choice below: measure_kernels sets vgrpo's default to see what torch picks
+        print("attention kernels:", flush=True)
+        kernels = measure_kernels(names, a.quick, gpus, timeout=60)
+        for r in kernels["rows"]:
+            print(f"  {r['kernel']} {r['model']} {r['phase']}: " +
+                  (r["error"] if r["error"] else f"{r['ms']:.3g} ms, {r['tflops']:.3g} TFLOP/s"), flush=True)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True   # as vgrpo's --tf32 default
         vgrpo.choose_attention_kernels(a.attention)   # as vgrpo's --attention (cuDNN's fails in the backward)
-    deadline, gpus = time.perf_counter() + a.time_limit, 1 if a.quick else a.gpus
     vgrpo.quiet_libraries()
     results, skipped = [], []
     for name in names:
@@ -528,17 +729,17 @@ def main(argv=None):
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    write(results, a, device, gpus, skipped, argv)
+    write(results, kernels, a, device, gpus, skipped, argv)
 
 
-def write(results, a, device, gpus, skipped, argv):
+def write(results, kernels, a, device, gpus, skipped, argv):
     """results/gpu.md and gpu.json, with where and how they were measured."""
     import diffusers
 
     gpu = device.type == "cuda"
     meta = dict(gpu=gpu, device=torch.cuda.get_device_name(device) if gpu else "CPU", peak_tflops=peak_tflops(device),
                 torch=torch.__version__, diffusers=diffusers.__version__, date=datetime.date.today().isoformat(),
-                dtype="bf16" if gpu else "float32", repeats=a.repeats, gpus=gpus, skipped=skipped,
+                dtype="bf16" if gpu else "float32", repeats=a.repeats, gpus=gpus, skipped=skipped, kernels=kernels,
                 command=" ".join(["python bench/gpu.py", *(sys.argv[1:] if argv is None else argv)]))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

@@ -311,11 +311,26 @@ def test_gpu_bench_quick_mode(tmp_path):
         assert 2 * sum(t.numel() for t in [*model.parameters(), *model.buffers()]) == pytest.approx(size, rel=0.01)
 
     out = tmp_path / "gpu.md"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--quick", "--modes", "eager", "--out",
-                        str(out)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--quick", "--modes", "eager",
+                        "--kernels", "--out", str(out)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     md, data = out.read_text(), json.loads((tmp_path / "gpu.json").read_text())
     assert "**Not run on a GPU.**" in md and not data["gpu"] and data["dtype"] == "float32"
+    # --kernels: every kernel at every shape, in a child process; on the CPU torch's flash and math kernels run and
+    # agree with float32 math attention, the CUDA-only ones report that they have no kernel here
+    kernels = data["kernels"]
+    assert kernels["kernels"][:3] == ["flash", "efficient", "math"] and kernels["kernels"][-1] == "cudnn"
+    assert len(kernels["rows"]) == len(kernels["kernels"]) * len(kernels["shapes"]) == len(kernels["kernels"]) * 6
+    for r in kernels["rows"]:
+        s = next(s for s in kernels["shapes"] if (s["model"], s["phase"]) == (r["model"], r["phase"]))
+        if r["kernel"] in ("flash", "math"):
+            assert r["error"] is None and r["max_rel_diff"] < 1e-5 and r["ms"] > 0
+            flops = gpu.attention_flops(s["rows"], s["heads"], s["tokens"], s["head_dim"], r["phase"].startswith("update"))
+            assert r["tflops"] == pytest.approx(flops / r["ms"] / 1e9)
+        elif r["kernel"] in ("efficient", "cudnn"):
+            assert "No viable backend" in r["error"]
+    assert set(kernels["picked"].values()) == {"flash"}                    # the CPU's choice under the default
+    assert "| SD3.5-M | update (image tokens) | 64 x 2 x 16 x 8 | " in md and "no such kernel for these inputs" in md
     assert [r["model"] for r in data["results"]] == ["SD3.5-M", "FLUX.1-dev"]
     for r in data["results"]:
         ph, split, recipe = r["phases"], r["split"], r["recipe"]
@@ -342,7 +357,7 @@ def test_gpu_bench_quick_mode(tmp_path):
                                                                        "update")))
         assert recipe["inner_steps"] == 1 and split["old surrogate"] == 0   # one inner step: no old pass
         assert r["text_s_per_prompt"] > 0 and r["compiled"] is None and r["split_compiled"] is None
-        assert md.count(f"| {r['model']} 64 px (tiny) | ") == 6 and md.count(f"| {r['model']} | ") == 1
+        assert md.count(f"| {r['model']} 64 px (tiny) | ") == 6 and md.count(f"| {r['model']} | 4 x 8, ") == 1
     assert "Where the time goes" not in md                          # no --profile
     compiled_out = tmp_path / "compiled.md"   # both modes, one model: the compiled phases beside the eager ones
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--quick", "--models", "sd3",
@@ -397,6 +412,91 @@ def test_the_gpu_bench_times_the_rollouts_own_forwards_against_it(name):
     gpu.bare_forwards(family, family.transformer, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb], first_k, negative)
     assert len(calls["rollout"]) == 3 and calls["forwards"] == calls["rollout"]
     assert calls["rollout"][0][0][0] == sb * (2 if negative is not None else 1)
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux", "qwen-image"])
+def test_the_kernel_probes_shapes_are_those_the_models_attend_at(name, monkeypatch):
+    """bench/gpu.py --kernels times attention at attention_shapes: they must be the (rows, heads, tokens, head dim)
+    that scaled_dot_product_attention receives in the model's rollout (CFG's doubled rows for Qwen-Image) and in its
+    update (a micro-batch of N_MC rows a sample), SD3's image-only attention included, with a mask where the model
+    passes one (Qwen-Image's text mask), recorded here from the tiny models' own passes."""
+    import dataclasses
+
+    import gpu
+    import vgrpo
+
+    device = torch.device("cpu")
+    family, args, cond_shapes = gpu.make_family(name, True, device)
+    params = vgrpo.add_trainable_weights(family, args)
+    mb = gpu.micro_batch(args, 1, True)
+    cond, noise, sigmas, batch = gpu.inputs(family, args, cond_shapes, mb, device)
+    seen, sdpa = {}, torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(phase):
+        def call(*a, **kw):   # diffusers' attention dispatch passes query= ...
+            mask = kw.get("attn_mask", a[3] if len(a) > 3 else None)
+            seen.setdefault(phase, set()).add((*(a[0] if a else kw["query"]).shape, mask is not None))
+            return sdpa(*a, **kw)
+        return call
+
+    negative = vgrpo.rows_of(cond, slice(0, 1)) if family.cfg and args.guidance > 1 else None
+    sb = args.sample_batch
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded("rollout"))
+    vgrpo.rollout(family, family.transformer, vgrpo.rows_of(cond, slice(0, sb)), noise[:sb],
+                  torch.cat([sigmas[:1], sigmas[-1:]]), args, negative)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded("update"))
+    one = dataclasses.replace(args, micro_batch=mb, group_size=mb, inner_steps=1)
+    vgrpo.update(family, family.transformer, torch.optim.AdamW(params), params, batch, one, 1)
+    expected = {}
+    for model, phase, rows, heads, tokens, dim, masked in gpu.attention_shapes([name], True, 1):
+        assert model == gpu.TITLES[name]
+        expected.setdefault(phase.split(" (")[0], set()).add((rows, heads, tokens, dim, masked))
+    assert seen == expected, (seen, expected)
+    assert len(expected["rollout"]) == (2 if name == "sd3" else 1)     # SD3's dual blocks: the image tokens alone
+
+
+def test_attention_flops_are_torchs_count_of_the_math_kernel():
+    """The kernel probe's FLOPs (bench/gpu.attention_flops) equal what torch's FlopCounterMode counts for math
+    attention, forward alone and forward + backward, so its TFLOP/s compare with the phases' (counted the same way)."""
+    import gpu
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(3, 2, 24, 8, requires_grad=True) for _ in range(3))
+
+    def attend():
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    with torch.no_grad():
+        assert gpu.count_flops(attend) == gpu.attention_flops(3, 2, 24, 8, backward=False)
+    assert gpu.count_flops(lambda: torch.autograd.grad(attend(), (q, k, v), torch.ones(3, 2, 24, 8))) == \
+        gpu.attention_flops(3, 2, 24, 8, backward=True)
+
+
+def test_the_kernel_probe_keeps_what_it_measured_before_its_process_died(tmp_path, monkeypatch):
+    """cuDNN attention's known failure kills the probe's process (an illegal memory access): the rows it printed
+    before are kept, and every kernel and shape it did not reach is reported with the process's last error line,
+    not left out. Likewise for a probe that runs past its time."""
+    import gpu
+
+    shapes = gpu.attention_shapes(["sd3"], True, 1)
+    first = dict(kernel="flash", model="SD3.5-M", phase="rollout", ms=1.0, tflops=2.0, error=None, max_rel_diff=0.0)
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho '{json.dumps(first)}'\necho 'warning: something' >&2\n"
+                    "echo 'RuntimeError: CUDA error: an illegal memory access was encountered' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(gpu.sys, "executable", str(fake))
+    probe = gpu.measure_kernels(["sd3"], True, 1, timeout=30)
+    assert probe["kernels"] == gpu.sdpa_kernels() and probe["kernels"][-1] == "cudnn"
+    assert probe["rows"][0] == first and len(probe["rows"]) == len(probe["kernels"]) * len(shapes)
+    for r in probe["rows"][1:]:
+        assert r["error"] == "the probe stopped: RuntimeError: CUDA error: an illegal memory access was encountered"
+    fake.write_text(f"#!/bin/sh\necho '{json.dumps(first)}'\nsleep 30\n")
+    probe = gpu.measure_kernels(["sd3"], True, 1, timeout=2)
+    assert probe["rows"][0] == first and probe["rows"][1]["error"] == "the probe stopped: timed out after 2 s"
+    lines = gpu.kernel_lines(probe, dict(peak_tflops=None, gpu=False))
+    assert "| SD3.5-M | rollout | 16 x 2 x 24 x 8 | 1 ms, 2, diff 0 | fails: the probe stopped: timed out" in \
+        "\n".join(lines)
 
 
 def test_gpu_bench_quick_mode_runs_the_newer_models_with_true_cfg(tmp_path):

@@ -389,7 +389,7 @@ def time_kernels(shapes, kernels, device, repeats=3):
     after a warm-up (milliseconds) and the largest difference from float32 math attention on the first row (relative
     to that output's largest value; gradients too for the update), or the error. After a CUDA error the context is
     unusable, so the rest are reported as not run."""
-    from torch.nn.attention import SDPBackend, activate_flash_attention_impl, sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -403,7 +403,7 @@ def time_kernels(shapes, kernels, device, repeats=3):
                 continue
             try:
                 if kernel not in backends:   # fa3, fa4: torch's flash kernel, replaced by FlashAttention's package
-                    activate_flash_attention_impl(kernel.upper())
+                    torch.nn.attention.activate_flash_attention_impl(kernel.upper())
                     backends[kernel] = SDPBackend.FLASH_ATTENTION
                 g = torch.Generator(device).manual_seed(0)
                 backward = phase.startswith("update")

@@ -321,7 +321,17 @@ def main(argv=None):
         p.error(f"--only: choose from {', '.join(CONFIGS)}")
     if not a.quick and not torch.cuda.is_available():
         p.error("no CUDA device here: the smoke run needs one (--quick runs tiny shapes on the CPU)")
-    work = a.work or tempfile.mkdtemp(prefix="vgrpo-smoke-")
+    if a.work:
+        return run_all(names, a, argv, a.work)
+    with tempfile.TemporaryDirectory(prefix="vgrpo-smoke-") as work:   # the runs' checkpoints and logs go with it
+        return run_all(names, a, argv, work)
+
+
+def run_all(names, a, argv, work):
+    """Every configuration in `names`, one after another in its own process, each result written as it comes ->
+    the exit status: 1 if any failed."""
+    import torch
+
     results = []
     meta = dict(gpu=not a.quick, device=torch.cuda.get_device_name() if not a.quick else "the CPU",
                 torch=f"{torch.__version__} (CUDA {torch.version.cuda})" if not a.quick else torch.__version__,

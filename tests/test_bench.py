@@ -674,9 +674,13 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
         assert f"| {results[name]['held_out_reward']:.4g} |" in out.read_text()
     assert results["flux-lora"]["held_out_reward"] is None
     assert "**Not run on a GPU.**" in out.read_text() and out.read_text().count("| ok |") == 5
+    scratch = tmp_path / "tmp"   # without --work: a temporary folder, removed at the end, a failure or not
+    scratch.mkdir()
     failing = subprocess.run([*command[:-4], "--only", "sd3-lora,flux-lora", "--budget", "1", "--out",
-                              str(tmp_path / "f.md")], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+                              str(tmp_path / "f.md")], env=dict(ENV, TMPDIR=str(scratch)), cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
     assert failing.returncode == 1 and "FAILED: sd3-lora, flux-lora" in failing.stdout
+    assert not [f for f in os.listdir(scratch) if f.startswith("vgrpo-smoke-")]
     report = (tmp_path / "f.md").read_text()   # the first gets the budget's second, the second nothing
     assert "**failed**: no result within the 1 s left of --budget 1 |" in report
     assert "**failed**: not run: --budget 1 s spent |" in report

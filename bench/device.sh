@@ -9,7 +9,8 @@
 #                          TFLOP/s and peak memory of rollout / old surrogate / update at the real shapes, eager and
 #                          compiled, the ODE loop's cost and the top kernels (--profile)
 # Results go to $OUT (or bench/results/), 8 files: smoke-gpu.md, smoke-gpu.json, memory-gpu.md, memory-gpu.json,
-# gpu.md, gpu.json, device.txt, device.log (this script's whole output).
+# gpu.md, gpu.json, device.txt, device.log (this script's whole output). Back here, with memory-gpu.json in
+# bench/results/: `python bench/memory.py --guide` writes docs/guide.md's memory table from the GPU's figures.
 #
 #   bash bench/device.sh
 #

@@ -11,6 +11,8 @@ gradient checkpointing's recomputation and every ODE step do.) Writes bench/resu
     python bench/memory.py --models sd3 --lora-only
     python bench/memory.py --gpu --time-limit 300   # on a GPU machine: the same code with the caching allocator's
                                            # own counters, beside memory.json's numbers -> results/memory-gpu.md
+    python bench/memory.py --guide         # docs/guide.md's memory table from memory.json (and memory-gpu.json,
+                                           # where a GPU measured)
 
 Each phase is run the way an iteration runs it, with the recipe's batch settings (vgrpo.RECIPES, one process of
 8: P/8 prompt groups of G), and what the iteration keeps alive across phases (the weights, LoRA and AdamW states,
@@ -453,6 +455,74 @@ def write_gpu_report(results, fake, device_name, context, seconds, path):
         f.write("\n".join(lines))
 
 
+CARDS_GB = (16, 24, 32, 48, 80, 141)   # GPU memory sizes on sale (H100: 80, H200: 141)
+GUIDE = os.path.join(ROOT, "docs", "guide.md")
+GUIDE_MARKS = ("<!-- memory table: python bench/memory.py --guide -->", "<!-- end of the memory table -->")
+
+
+def fits_on(need, slack):
+    """The smallest card that holds `need` + `slack` GiB, and a smaller one that holds `need` alone (tight)."""
+    roomy = next((card for card in CARDS_GB if need + slack <= card), None)
+    tight = next((card for card in CARDS_GB if need <= card), None)
+    if roomy is None:
+        return "none: use `--fsdp`" if tight is None else f"{tight} GB (tight)"
+    return f"{roomy} GB" + (f" ({tight} GB is tight)" if tight < roomy else "")
+
+
+def guide_table(fake, gpu=None):
+    """docs/guide.md's memory table: per configuration the resident state and the update's peak (checkpointing on /
+    off), in one process and under --fsdp over 8, and the smallest GPU each fits on. From the GPU's counters where
+    `--gpu` measured it (gpu: memory-gpu.json; allocated bytes shown, the reserved peak plus the memory outside
+    torch's allocator decide the fit, with 5% to spare), else from fake CUDA (its bytes plus 1 GiB of CUDA context,
+    with 10% to spare for the allocator; marked as such in a table that has GPU figures)."""
+    def size(value):
+        return "OOM" if value is None else f"{value / GIB:.1f}" if value < 100 * GIB else f"{value / GIB:.0f}"
+
+    measured, outside = (gpu or {}).get("results", {}), ((gpu or {}).get("outside_torch") or [0, 0])[-1] or 0
+
+    def figures(name, key):   # resident, update peaks on / off, the fit, "(fake CUDA)" where the GPU did not measure
+        on_gpu = {row[0]: row[1:3] for row in measured.get(name, {}).get(key, [])}
+        rows = on_gpu or {row[0]: row[1:3] for row in fake[name][key]}
+        (on, reserved), (off, _) = rows["update, checkpointing on"], rows["update, checkpointing off"]
+        need = (reserved + outside) / GIB if on_gpu else on / GIB + 1
+        fit = fits_on(need, need * 0.05 if on_gpu else on / GIB * 0.1)
+        mark = " (fake CUDA)" if measured and not on_gpu else ""   # only a table that mixes the two marks them
+        return size(rows["resident between phases"][0]), size(on), size(off), fit, mark
+
+    lines = ["| model, training | resident: weights, AdamW, rollout | peak: update, checkpointing on / off | fits on | "
+             "`--fsdp` over "
+             f"{WORLD}: resident, peak | fits on, with `--fsdp` |", "| --- | ---: | ---: | --- | ---: | --- |"]
+    for name in fake:
+        kind, training = name.split(" ", 1)
+        label = f"{TITLES[kind]}, {training}" + (", bf16 base" if training.startswith("LoRA") else "") + \
+            (" (stand-ins only)" if kind in ("qwen-image", "flux2-klein") else "")
+        resident, on, off, fit, mark = figures(name, "one")
+        resident_sharded, on_sharded, _, fit_sharded, mark_sharded = figures(name, "fsdp")
+        lines.append(f"| {label} | {resident} GiB{mark} | {on} / {off} GiB{mark} | {fit} | {resident_sharded}, "
+                     f"{on_sharded} GiB{mark_sharded} | {fit_sharded} |")
+    return "\n".join(lines)
+
+
+def results_table():
+    """guide_table of results/memory.json and, where it exists, results/memory-gpu.json."""
+    found = []
+    for name in ("memory.json", "memory-gpu.json"):
+        path = os.path.join(RESULTS, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                found.append(json.load(f))
+    return guide_table(*found)
+
+
+def update_guide(table, path=GUIDE):
+    """Put `table` between docs/guide.md's two marks (in place of what was there)."""
+    with open(path) as f:
+        text = f.read()
+    start, end = text.index(GUIDE_MARKS[0]) + len(GUIDE_MARKS[0]), text.index(GUIDE_MARKS[1])
+    with open(path, "w") as f:
+        f.write(text[:start] + "\n" + table + "\n" + text[end:])
+
+
 def describe_settings(args):
     return (f"{args.resolution} px, {args.mixed_precision}, P {args.prompts_per_step} x G {args.group_size} over "
             f"{WORLD} processes, N_MC {args.n_mc}, micro-batch {args.micro_batch}, sample batch {args.sample_batch}, "
@@ -505,7 +575,13 @@ def main(argv=None):
     parser.add_argument("--fake-results", default=os.path.join(RESULTS, "memory.json"))
     parser.add_argument("--time-limit", type=float, default=float("inf"),
                         help="--gpu: seconds after which no configuration starts")
+    parser.add_argument("--guide", action="store_true", help="measure nothing: write docs/guide.md's memory table "
+                        "from results/memory.json and, where it measured, results/memory-gpu.json")
     args = parser.parse_args(argv)
+    if args.guide:
+        update_guide(results_table())
+        print(f"wrote the memory table of {GUIDE}")
+        return 0
     args.out = args.out or os.path.join(RESULTS, "memory-gpu.md" if args.gpu else "memory.md")
     configs = [(kind, full) for kind in args.models.split(",")
                for full in ((False,) if args.lora_only else (False, True))]
@@ -583,8 +659,9 @@ def main_on_gpu(args, configs, start):
         # after every configuration, so that a run cut short by a timeout leaves what it measured
         context = (context_at_init, outside_torch()[0])
         write_gpu_report(results, fake, torch.cuda.get_device_name(), context, time.time() - start, args.out)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump(results, f, indent=1)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:   # --guide reads it
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, outside_torch=context,
+                           results=results), f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

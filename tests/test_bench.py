@@ -686,6 +686,24 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
     assert "**failed**: not run: --budget 1 s spent |" in report
 
 
+def test_the_guides_memory_table_is_the_one_the_results_give():
+    """docs/guide.md's memory table is what `bench/memory.py --guide` makes of the committed results
+    (results/memory.json, and memory-gpu.json once a GPU measured): it fails when one changes without the other.
+    "Fits on": the smallest card that holds the peak and the spare; a smaller one that holds the peak alone is
+    "tight"."""
+    import memory
+
+    with open(memory.GUIDE) as f:
+        guide = f.read()
+    start, end = (guide.index(mark) for mark in memory.GUIDE_MARKS)
+    assert guide[start + len(memory.GUIDE_MARKS[0]):end].strip() == memory.results_table()
+    assert memory.fits_on(10.0, 1.0) == "16 GB" and memory.fits_on(16.0, 0.0) == "16 GB"
+    assert memory.fits_on(15.0, 1.5) == "24 GB (16 GB is tight)"
+    assert memory.fits_on(45.0, 4.5) == "80 GB (48 GB is tight)"
+    assert memory.fits_on(140.0, 14.0) == "141 GB (tight)"
+    assert memory.fits_on(150.0, 15.0) == "none: use `--fsdp`"
+
+
 def test_the_device_script_fits_its_9_minutes_and_8_files():
     """bench/device.sh: its parts' time limits add up to at most 9 minutes; what it writes to $OUT is at most 8
     files (the device tool brings back 8)."""

@@ -169,6 +169,49 @@ def test_syncs_and_copies_do_not_grow_with_micro_batches_or_ode_steps(worker, tm
         assert other["counts"] == first["counts"], (variant, other["where"], first["where"])
 
 
+def test_the_memory_benchmarks_gpu_mode_runs_and_its_table_reaches_the_guide(worker, tmp_path):
+    """bench/memory.py --gpu, as bench/device.sh runs it on a GPU machine, with fake CUDA's byte count answering the
+    caching allocator's counters (a 141 GiB card, 0.5 GiB outside torch): it measures FLUX.2 [klein] LoRA in one
+    process and under --fsdp, writes memory-gpu.md beside results/memory.json's fake-CUDA bytes and memory-gpu.json;
+    `--guide`'s table then takes klein's figures from it and marks the other configurations' as fake CUDA. About
+    80 s."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import memory
+
+    out = tmp_path / "memory-gpu.md"
+    assert call(worker, "memory_on_gpu", out=str(out)) == 0
+    gpu = json.loads((tmp_path / "memory-gpu.json").read_text())
+    assert gpu["device"] == "fake CUDA" and gpu["outside_torch"] == [2 ** 29, 2 ** 29]
+    klein = gpu["results"]["flux2-klein LoRA r64"]
+    assert klein["notes"] == [] and list(gpu["results"]) == ["flux2-klein LoRA r64"]
+    with open(os.path.join(memory.RESULTS, "memory.json")) as f:
+        fake = json.load(f)
+    for key in ("one", "fsdp"):
+        rows = {row[0]: row for row in klein[key]}
+        assert list(rows) == [row[0] for row in fake["flux2-klein LoRA r64"][key]]   # the same phases
+        phases = list(rows.values())[3:]   # after the sizes (weights, AdamW states, resident): the phases' peaks
+        assert len(phases) == 7 and all(row[2] == row[1] for row in phases)   # reserved: here the fake peak
+    # the same code on the same counters as results/memory.json's rows: one process within the 0.4 GiB two runs
+    # differ by (bench/memory.py's report); under --fsdp runs differ more (1.3 GiB seen here), but sharding the
+    # weights and AdamW states over 8 must lower every peak
+    one, sharded = ({row[0]: row[1] for row in klein[key]} for key in ("one", "fsdp"))
+    made = {row[0]: row[1] for row in fake["flux2-klein LoRA r64"]["one"]}
+    assert abs(one["update, checkpointing on"] - made["update, checkpointing on"]) < 0.4 * 2 ** 30
+    assert all(sharded[phase] < one[phase] for phase in one if "update" in phase or "resident" in phase)
+    md = out.read_text()
+    assert md.startswith("# Peak GPU memory per phase, measured on fake CUDA")
+    on = klein["one"][[row[0] for row in klein["one"]].index("update, checkpointing on")][1]
+    assert f"| update, checkpointing on | {memory.gib(fake['flux2-klein LoRA r64']['one'][3][1])} | " \
+           f"{memory.gib(on)} | {memory.gib(on)} |" in md
+    table = memory.guide_table(fake, gpu).splitlines()
+    row = next(line for line in table if line.startswith("| FLUX.2 [klein]"))
+    assert "(fake CUDA)" not in row and f"| {on / 2 ** 30:.1f} / " in row
+    assert memory.fits_on((on + 2 ** 29) / 2 ** 30, (on + 2 ** 29) / 2 ** 30 * 0.05) in row
+    assert all("(fake CUDA)" in line for line in table[2:] if not line.startswith("| FLUX.2 [klein]"))
+
+
 # --------------------------------------------------------------------------- the scenarios (run in the worker)
 
 
@@ -368,3 +411,31 @@ def iteration_counts(flags, output_dir, variants):
             results.append({"mixes": list(gpu.mixes), "counts": dict(gpu.counts),
                             "where": {k: dict(v) for k, v in gpu.where.items()}})
     return results
+
+
+def memory_on_gpu(out):
+    """bench/memory.py --gpu with fake CUDA's byte count answering the caching allocator's counters: reserved =
+    allocated, a 141 GiB card with 0.5 GiB used outside torch; attention as bench/memory.py's fake mode takes it
+    (the fused kernels' memory, which a GPU's SDPA picks)."""
+    import sys
+
+    import torch
+
+    from tests.fake_cuda import FakeCuda, _patched
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import memory
+
+    total, outside = 141 * 2 ** 30, 2 ** 29
+    with FakeCuda(strict=False) as gpu, contextlib.ExitStack() as stack:
+        for name, value in {"init": lambda: None,
+                            "memory_reserved": lambda device=None: gpu.memory.allocated(),
+                            "max_memory_reserved": lambda device=None: gpu.memory.peak,
+                            "mem_get_info": lambda device=None: (total - outside - gpu.memory.allocated(), total),
+                            }.items():
+            stack.enter_context(_patched(torch.cuda, name, value))
+        stack.enter_context(_patched(torch.nn.functional, "scaled_dot_product_attention", memory.fused_attention))
+        try:
+            return memory.main(["--gpu", "--models", "flux2-klein", "--lora-only", "--out", out])
+        finally:
+            memory.REAL_GPU = False   # the worker goes on to other scenarios

@@ -613,8 +613,35 @@ def report(results, meta):
             memory = next((f"{x['peak_gib']:.1f}" for x in (c, p) if x and x.get("peak_gib") is not None), "")
             samples = (p or c)["samples"]
             lines.append(f"| {title} | {phase} | {samples} | {what} | {eager} | {comp} | {memory} |")
-    return "\n".join(lines + loop_lines(results) + split_lines(results, meta) + kernel_lines(meta["kernels"], meta)
-                     + profile_lines(results, meta)) + "\n"
+    return "\n".join(lines + loop_lines(results) + split_lines(results, meta) + target_lines(results, meta)
+                     + kernel_lines(meta["kernels"], meta) + profile_lines(results, meta)) + "\n"
+
+
+# The speed issue's targets on an H200: each phase's share of the bf16 peak (the better of eager and compiled), and
+# one SD3.5-M recipe iteration per GPU of 8 at most half of the 139.4 s measured at commit 7b882c0
+TARGETS = {("SD3.5-M", "rollout"): 0.40, ("SD3.5-M", "update"): 0.30, ("FLUX.1-dev", "rollout"): 0.45,
+           ("FLUX.1-dev", "update"): 0.45}
+ITERATION_TARGET = ("SD3.5-M", 139.4 / 2)
+
+
+def target_lines(results, meta):
+    """On a GPU with a known peak: each target, what was measured against it, met or not."""
+    if not meta["gpu"] or not meta["peak_tflops"]:
+        return []
+    found = []
+    for res in results:
+        for (model, phase), share in TARGETS.items():
+            rates = [p[phase]["tflops"] for p in (res["phases"], res.get("compiled") or {})
+                     if model == res["model"] and "tflops" in p.get(phase, {})]
+            if rates:
+                best = max(rates) / meta["peak_tflops"]
+                found.append(f"{model} {phase} {best:.0%} of peak (target {share:.0%}: "
+                             f"{'met' if best >= share else 'missed'})")
+        totals = [s["total"] for s in (res["split"], res.get("split_compiled")) if s]
+        if res["model"] == ITERATION_TARGET[0] and totals and meta["gpus"] == 8:
+            found.append(f"{res['model']} iteration {min(totals):.1f} s per GPU of 8 (target "
+                         f"{ITERATION_TARGET[1]:.1f} s: {'met' if min(totals) <= ITERATION_TARGET[1] else 'missed'})")
+    return [] if not found else ["", "Targets (the better of eager and compiled): " + "; ".join(found) + "."]
 
 
 def loop_cost(phases):

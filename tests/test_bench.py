@@ -330,6 +330,15 @@ def test_gpu_bench_quick_mode(tmp_path):
         elif r["kernel"] in ("efficient", "cudnn"):
             assert "No viable backend" in r["error"]
     assert set(kernels["picked"].values()) == {"flash"}                    # the CPU's choice under the default
+    # the same results as a GPU run reports them: rates against the chip's peak, and the speed targets met or not
+    measured = json.loads(json.dumps(data["results"]))
+    ph = measured[0]["phases"]
+    ph["rollout"]["tflops"], ph["update"]["tflops"] = 0.41 * 989, 0.29 * 989
+    on_gpu = gpu.report(measured, dict(data, gpu=True, device="NVIDIA H200", peak_tflops=989, gpus=8))
+    assert "SD3.5-M rollout 41% of peak (target 40%: met); SD3.5-M update 29% of peak (target 30%: missed); " \
+           "SD3.5-M iteration " in on_gpu and "FLUX.1-dev rollout 0% of peak (target 45%: missed)" in on_gpu
+    assert f"| SD3.5-M 64 px | rollout | 16 | 16 x 10 steps | {ph['rollout']['seconds']:.3f} | 405 | 41.0% |" in on_gpu
+    assert "on 8 GPUs, seconds per GPU" in on_gpu and "**Not run on a GPU.**" not in on_gpu
     assert "| SD3.5-M | update (image tokens) | 64 x 2 x 16 x 8 | " in md and "no such kernel for these inputs" in md
     assert [r["model"] for r in data["results"]] == ["SD3.5-M", "FLUX.1-dev"]
     for r in data["results"]:

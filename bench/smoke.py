@@ -164,7 +164,10 @@ def run_config(name, quick, out_dir):
                 policy_loss=m["policy_loss"], grad_norm=m["grad_norm"], skipped_steps=m["skipped_steps"],
                 ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], first_step_ratio=first.get("ratio"),
                 peak_gib=m.get("peak_memory_gib"), device=str(run.device), held_out_reward=held_out,
-                gpu=torch.cuda.get_device_name() if device == "cuda" else None)
+                gpu=torch.cuda.get_device_name() if device == "cuda" else None, compiled=run.family.compiled,
+                # frames compiled in the whole run (the evaluation's included) and torch's seconds compiling them
+                compiled_graphs=vgrpo.compiled_graphs() if run.family.compiled else None,
+                compile_s=vgrpo.compile_seconds() if run.family.compiled else None)
 
 
 def first_step_check(real_update, record):
@@ -226,6 +229,8 @@ def problems(res):
         out.append(f"non-finite loss {res['policy_loss']} or gradient norm {res['grad_norm']}")
     if res["skipped_steps"]:
         out.append(f"{res['skipped_steps']} skipped step(s)")
+    if res.get("gpu") and not res.get("compiled"):   # --compile auto compiles the blocks of every model on CUDA
+        out.append("the transformer's blocks ran eager on CUDA")
     held_out = held_out_number(res)
     if held_out is not None and not math.isfinite(held_out):
         out.append(f"non-finite held-out evaluation {held_out}")
@@ -277,11 +282,11 @@ def report(results, meta):
               "first inner step (0: the update's first forward and the old-surrogate pass agree bit for bit); "
               "held-out: the mean reward on 4 held-out prompts (digits: the accuracy of its last evaluation).", "",
               "| configuration | flags | px, steps, N_MC, inner steps | images | ratio at step 1 | policy loss | "
-              "grad norm | held-out | peak GiB | build s | iteration s | result |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+              "grad norm | held-out | peak GiB | build s | iteration s | compiled: frames, s | result |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for res in results:
         if res.get("error"):
-            lines.append(f"| {res['name']} | `{' '.join(CONFIGS[res['name']])}` | | | | | | | | | | **failed**: "
+            lines.append(f"| {res['name']} | `{' '.join(CONFIGS[res['name']])}` | | | | | | | | | | | **failed**: "
                          f"{res['error']} |")
             continue
         bad = problems(res)
@@ -289,10 +294,12 @@ def report(results, meta):
         build = "" if res["build_s"] is None else f"{res['build_s']:.0f}"
         ratio = "" if res["first_step_ratio"] is None else f"{res['first_step_ratio']:.1e}"
         held_out = "" if held_out_number(res) is None else f"{held_out_number(res):.4g}"
+        compiled = "eager" if not res.get("compiled") else f"{res['compiled_graphs']}" + \
+            ("" if res["compile_s"] is None else f", {res['compile_s']:.0f}")
         lines.append(f"| {res['name']} | `{res['flags']}` | {res['resolution']}, {res['steps']}, {res['n_mc']}, "
                      f"{res['inner_steps']} | {res['images']} | {ratio} | "
                      f"{res['policy_loss']:+.3e} | {res['grad_norm']:.3g} | {held_out} | {peak} | {build} | "
-                     f"{res['iteration_s']:.1f} | {'ok' if not bad else '**failed**: ' + '; '.join(bad)} |")
+                     f"{res['iteration_s']:.1f} | {compiled} | {'ok' if not bad else '**failed**: ' + '; '.join(bad)} |")
     return "\n".join(lines) + "\n"
 
 

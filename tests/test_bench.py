@@ -682,7 +682,14 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
         assert results[name]["held_out_reward"] == evaluation["eval_pickscore"] and evaluation["iteration"] == 1
         assert f"| {results[name]['held_out_reward']:.4g} |" in out.read_text()
     assert results["flux-lora"]["held_out_reward"] is None
-    assert "**Not run on a GPU.**" in out.read_text() and out.read_text().count("| ok |") == 5
+    assert "**Not run on a GPU.**" in out.read_text() and out.read_text().count("| eager | ok |") == 5
+    # on a GPU the blocks must have compiled (--compile auto): a configuration that ran eager there fails, named
+    import smoke
+
+    on_gpu = dict(results["sd3-lora"], gpu="NVIDIA H200")
+    assert smoke.problems(on_gpu) == ["the transformer's blocks ran eager on CUDA"]
+    on_gpu.update(compiled=True, compiled_graphs=11, compile_s=41.6)
+    assert smoke.problems(on_gpu) == [] and "| 11, 42 | ok |" in smoke.report([on_gpu], data)
     scratch = tmp_path / "tmp"   # without --work: a temporary folder, removed at the end, a failure or not
     scratch.mkdir()
     failing = subprocess.run([*command[:-4], "--only", "sd3-lora,flux-lora", "--budget", "1", "--out",

@@ -217,19 +217,19 @@ def make_family(name, quick, device):
     return family, args, cond
 
 
-def inputs(family, args, cond_shapes, micro_batch, device):
+def inputs(family, args, cond_shapes, mb, device):
     """Random conditioning (a mask of ones) and starting noises for a sample batch, the sigma grid, and one
     micro-batch's V-GRPO batch (rollout latents, conditioning, pairs shared over the batch, advantages)."""
-    n, dtype = max(args.sample_batch, micro_batch), family.amp_dtype or torch.float32
+    n, dtype = max(args.sample_batch, mb), family.amp_dtype or torch.float32
     g = torch.Generator(device).manual_seed(0)
     cond = tuple(torch.ones(n, shape[0], dtype=torch.long, device=device) if shape[-1] == "mask" else
                  torch.randn(n, *shape, device=device, dtype=dtype, generator=g) for shape in cond_shapes)
     noise = torch.randn(n, *family.latent_shape, device=device, generator=g)
     sigmas = family.sigma_grid(args.sample_steps)
-    sig, eps = vgrpo.draw_pairs(sigmas, args.n_mc, family.latent_shape, [(0, m) for m in range(micro_batch)],
+    sig, eps = vgrpo.draw_pairs(sigmas, args.n_mc, family.latent_shape, [(0, m) for m in range(mb)],
                                 "batch", True, 0, 0, device)
-    batch = {"o": noise[:micro_batch], "cond": vgrpo.rows_of(cond, slice(0, micro_batch)), "sigmas": sig, "eps": eps,
-             "A": torch.randn(micro_batch, device=device, generator=g)}
+    batch = {"o": noise[:mb], "cond": vgrpo.rows_of(cond, slice(0, mb)), "sigmas": sig, "eps": eps,
+             "A": torch.randn(mb, device=device, generator=g)}
     return cond, noise, sigmas, batch
 
 
@@ -263,8 +263,10 @@ def count_flops(fn):
     return counter.get_total_flops()
 
 
-def measure_model(name, a, gpus, device, deadline):
-    """Build one model and time its three phases -> a dict; phases not started before `deadline` are left out."""
+def measure_model(name, a, gpus, device, deadline, save):
+    """Build one model and time its phases -> a dict; phases not started before `deadline` are left out. save(res)
+    writes the report with what has been measured so far: it is called after every phase. An error in a phase ends
+    the model's measurement with res["error"]; the phases measured before it stay."""
     family, args, cond_shapes = make_family(name, a.quick, device)
     model = family.transformer
     params = vgrpo.add_trainable_weights(family, args)
@@ -303,20 +305,28 @@ def measure_model(name, a, gpus, device, deadline):
         "update": (lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1), mb,
                    res["flops_update_sample"] * mb),
     }
-    if "eager" in a.modes:
-        run_phases(res["phases"], phases, args, k, a.repeats, device, deadline)
-    # what else an iteration does: decode, reward (never compiled); the text encoders once per prompt
-    measure_beside(res, name, a.quick, family, args, cond, noise, device, deadline)
-    if "compiled" in a.modes and time.perf_counter() < deadline:
-        vgrpo.compile_blocks(family, dataclasses.replace(args, compile="on"), device)
-        res["compiled"] = {}
-        run_phases(res["compiled"], phases, args, k, a.repeats, device, deadline)
+    try:
+        if "eager" in a.modes:
+            run_phases(res["phases"], phases, args, k, a.repeats, device, deadline, lambda: save(res))
+        # what else an iteration does: decode, reward (never compiled); the text encoders once per prompt
+        measure_beside(res, name, a.quick, family, args, cond, noise, device, deadline, lambda: save(res))
+        if "compiled" in a.modes and time.perf_counter() < deadline:
+            vgrpo.compile_blocks(family, dataclasses.replace(args, compile="on"), device)
+            res["compiled"] = {}
+            run_phases(res["compiled"], phases, args, k, a.repeats, device, deadline, lambda: save(res))
+        if a.profile and time.perf_counter() < deadline:   # the last mode measured: compiled where it was
+            res["profile"] = {phase: profile_table(phases[phase][0], device) for phase in ("rollout", "update")}
+            res["profile_mode"] = "compiled" if family.compiled else "eager"
+    except Exception as e:   # noqa: BLE001  (out of memory, a compile error: reported, and the next model runs)
+        res["error"] = one_line(e)
+        print(f"  failed: {res['error']}", flush=True)
     if "eager" not in a.modes:   # compiled only: its numbers are the phases'
         res["phases"], res["compiled"] = {**res["phases"], **(res["compiled"] or {})}, None
-    if a.profile and time.perf_counter() < deadline:   # the last mode measured: compiled where it was
-        res["profile"] = {phase: profile_table(phases[phase][0], device) for phase in ("rollout", "update")}
-        res["profile_mode"] = "compiled" if family.compiled else "eager"
     return res
+
+
+def one_line(error):
+    return f"{type(error).__name__}: " + " ".join(str(error).split())[:300]
 
 
 @torch.no_grad()
@@ -367,21 +377,23 @@ def attention_shapes(names, quick, gpus):
         args = recipe_args(name, quick)
         _, config, quick_config, (tokens, after) = MODELS[name]
         config, tokens, resolution = (quick_config, 8, 64) if quick else (config, tokens, args.resolution)
-        length = (resolution // 16) ** 2 + tokens
+        image_tokens = (resolution // 16) ** 2
         heads, dim = config["num_attention_heads"], config["attention_head_dim"]
         cfg = vgrpo.PIPELINES[name][1].cfg and args.guidance > 1
-        lengths = [("", length)] + [(" (image tokens)", length - tokens)] * bool(config.get("dual_attention_layers"))
+        lengths = [("", image_tokens + tokens)]
+        lengths += [(" (image tokens)", image_tokens)] * bool(config.get("dual_attention_layers"))
         for phase, rows in (("rollout", args.sample_batch * (2 if cfg else 1)),
                             ("update", micro_batch(args, gpus, quick) * args.n_mc)):
-            shapes += [(TITLES[name], phase + label, rows, heads, tokens, dim, after == "mask")
-                       for label, tokens in lengths]
+            shapes += [(TITLES[name], phase + label, rows, heads, length, dim, after == "mask")
+                       for label, length in lengths]
     return shapes
 
 
 def attention_flops(rows, heads, tokens, dim, backward):
-    """FLOPs of one attention as torch's FlopCounterMode counts them: QK^T and PV forward (2 matmuls of 2*L*L*D a
-    head), four more matmuls of the same size backward."""
-    return 2 * rows * heads * tokens * tokens * dim * (6 if backward else 2)
+    """FLOPs of one attention as torch's FlopCounterMode counts a fused kernel's, as it counts the phases' attention
+    on a GPU: QK^T and PV forward (2 matmuls of 2*L*L*D a head), five of the same size backward (QK^T recomputed,
+    then the gradients of V, of the scores, of Q and of K)."""
+    return 2 * rows * heads * tokens * tokens * dim * (7 if backward else 2)
 
 
 def time_kernels(shapes, kernels, device, repeats=3):
@@ -404,7 +416,7 @@ def time_kernels(shapes, kernels, device, repeats=3):
             try:
                 if kernel not in backends:   # fa3, fa4: torch's flash kernel, replaced by FlashAttention's package
                     torch.nn.attention.activate_flash_attention_impl(kernel.upper())
-                    backends[kernel] = SDPBackend.FLASH_ATTENTION
+                    backends[kernel] = SDPBackend.FLASH_ATTENTION   # (activated now, once: not again per shape)
                 g = torch.Generator(device).manual_seed(0)
                 backward = phase.startswith("update")
                 qkv = [torch.randn(rows, heads, tokens, dim, device=device, dtype=dtype, generator=g)
@@ -444,15 +456,22 @@ def measure_kernels(names, quick, gpus, timeout):
     (shapes, kernels, rows, which kernel torch picks under vgrpo's default --attention)."""
     shapes, kernels = attention_shapes(names, quick, gpus), sdpa_kernels()
     spec = json.dumps(dict(shapes=shapes, kernels=kernels, quick=quick))
+    failure = None
     try:
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "--time-kernels", spec], capture_output=True,
                            text=True, timeout=timeout)
-        stdout, failure = p.stdout, (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1] \
-            if p.returncode else None
-    except subprocess.TimeoutExpired as e:
-        stdout, failure = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else e.stdout or "", \
-            f"timed out after {timeout} s"
-    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        stdout = p.stdout
+        if p.returncode:   # a crash (a CUDA error, a signal): its last words, which a warning may precede
+            failure = f"exit {p.returncode}: " + (p.stderr.strip().splitlines() or ["no message"])[-1]
+    except subprocess.TimeoutExpired as e:   # killed: what it printed before is kept
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        failure = f"timed out after {timeout} s"
+    rows = []
+    for line in stdout.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:   # a line cut off by the crash, or a library's print
+            continue
     done = {(r["kernel"], r["model"], r["phase"]) for r in rows}
     rows += [dict(kernel=kernel, model=model, phase=phase, error=f"the probe stopped: {failure}")
              for kernel in kernels for model, phase, *_ in shapes if (kernel, model, phase) not in done]
@@ -463,7 +482,15 @@ def measure_kernels(names, quick, gpus, timeout):
 
 def default_kernel(shapes, quick):
     """The SDPA kernel torch picks for each shape under vgrpo's default --attention (its own selection logic, asked
-    without running anything), e.g. {"SD3.5-M update": "flash"}."""
+    without running anything), e.g. {"SD3.5-M update": "flash"}; {} and a printed line if torch cannot say."""
+    try:
+        return picked_kernels(shapes, quick)
+    except Exception as e:   # noqa: BLE001  (a private torch function: its failure must not cost the measurements)
+        print(f"  which kernel torch picks: not known ({one_line(e)})", flush=True)
+        return {}
+
+
+def picked_kernels(shapes, quick):
     from torch.nn.attention import SDPBackend
 
     device = torch.device("cpu" if quick else "cuda")
@@ -475,7 +502,8 @@ def default_kernel(shapes, quick):
     for model, phase, _, heads, tokens, dim, masked in shapes:
         q = torch.empty(1, heads, tokens, dim, device=device, dtype=dtype, requires_grad=phase.startswith("update"))
         mask = torch.ones(1, 1, 1, tokens, dtype=torch.bool, device=device) if masked else None
-        picked[f"{model} {phase}"] = names[SDPBackend(torch._fused_sdp_choice(q, q, q, mask))]
+        backend = SDPBackend(torch._fused_sdp_choice(q, q, q, mask))
+        picked[f"{model} {phase}"] = names.get(backend, backend.name.lower())
     return picked
 
 
@@ -485,6 +513,8 @@ def failure_cell(error):
         return "no such kernel for these inputs here"
     if error.startswith("No module named"):
         return "not installed (" + error.split("'")[1] + ")"
+    if error.startswith(("not run", "the probe stopped")):
+        return error if len(error) <= 80 else error[:77] + "..."
     return "fails: " + (error if len(error) <= 80 else error[:77] + "...")
 
 
@@ -497,8 +527,9 @@ def kernel_lines(kernels, meta):
     dtype = "bf16" if meta["gpu"] else "float32"
     lines = ["", f"Attention alone (`scaled_dot_product_attention` under each kernel, random {dtype} inputs, a mask "
                  "of ones where the model passes one; "
-                 "the update's pass includes the backward): ms, TFLOP/s, and the largest difference from float32 "
-                 "math attention relative to the output's largest value:", "",
+                 "the update's pass includes the backward): ms, TFLOP/s (FLOPs as torch counts a fused kernel's, as "
+                 "for the phases above; the math kernel skips the backward's recomputation, a seventh of them), and "
+                 "the largest difference from float32 math attention relative to the output's largest value:", "",
              "| model | pass | rows x heads x tokens x dim | " + " | ".join(kernels["kernels"]) + " | torch picks |",
              "| --- | --- | --- |" + " --- |" * (len(kernels["kernels"]) + 1)]
     for s in kernels["shapes"]:
@@ -521,8 +552,9 @@ def kernel_lines(kernels, meta):
     return lines
 
 
-def run_phases(out, phases, args, k, repeats, device, deadline):
-    """Time each phase into out[phase]; the warm-up's excess over a timed run is the compile time (compiled blocks)."""
+def run_phases(out, phases, args, k, repeats, device, deadline, saved):
+    """Time each phase into out[phase], then saved(); the warm-up's excess over a timed run is the compile time
+    (compiled blocks)."""
     for phase, (fn, samples, flops) in phases.items():
         if time.perf_counter() > deadline:
             print(f"  {phase}: skipped, --time-limit reached", flush=True)
@@ -534,9 +566,10 @@ def run_phases(out, phases, args, k, repeats, device, deadline):
         out[phase] = dict(samples=samples, seconds=seconds, images_per_s=samples / seconds, peak_gib=peak,
                           tflops=flops / seconds / 1e12, warm_up_s=warm_up, compile_s=compile_s)
         print(f"  {phase}: {seconds:.3f} s for {samples} samples (warm-up {warm_up:.1f} s)", flush=True)
+        saved()
 
 
-def measure_beside(res, name, quick, family, args, cond, noise, device, deadline):
+def measure_beside(res, name, quick, family, args, cond, noise, device, deadline, saved):
     """The VAE decode of --decode-batch images, the reward (PickScore's ViT-H/14 for SD3.5-M, HPSv2.1's for FLUX.1-dev,
     random weights) on a --sample-batch of images, and the text encoders per prompt."""
     import smoke
@@ -554,6 +587,7 @@ def measure_beside(res, name, quick, family, args, cond, noise, device, deadline
         seconds, peak, _ = timed(run, device, 2)
         res["phases"][phase] = dict(samples=samples, seconds=seconds, images_per_s=samples / seconds, peak_gib=peak)
         print(f"  {phase}: {seconds:.3f} s for {samples} images", flush=True)
+        saved()
     if time.perf_counter() < deadline:
         t5_tokens = {"sd3": 256, "flux": 512}.get(name)
         res["text_s_per_prompt"] = text_encoding(name, quick, device, family.amp_dtype or torch.float32, t5_tokens)
@@ -614,7 +648,7 @@ def report(results, meta):
             samples = (p or c)["samples"]
             lines.append(f"| {title} | {phase} | {samples} | {what} | {eager} | {comp} | {memory} |")
     return "\n".join(lines + loop_lines(results) + split_lines(results, meta) + target_lines(results, meta)
-                     + kernel_lines(meta["kernels"], meta) + profile_lines(results, meta)) + "\n"
+                     + kernel_lines(meta.get("kernels"), meta) + profile_lines(results, meta)) + "\n"
 
 
 # The speed issue's targets on an H200: each phase's share of the bf16 peak (the better of eager and compiled), and
@@ -625,23 +659,25 @@ ITERATION_TARGET = ("SD3.5-M", 139.4 / 2)
 
 
 def target_lines(results, meta):
-    """On a GPU with a known peak: each target, what was measured against it, met or not."""
+    """On a GPU with a known peak: each target, what was measured against it, met or not (or not measured)."""
     if not meta["gpu"] or not meta["peak_tflops"]:
         return []
-    found = []
-    for res in results:
-        for (model, phase), share in TARGETS.items():
-            rates = [p[phase]["tflops"] for p in (res["phases"], res.get("compiled") or {})
-                     if model == res["model"] and "tflops" in p.get(phase, {})]
-            if rates:
-                best = max(rates) / meta["peak_tflops"]
-                found.append(f"{model} {phase} {best:.0%} of peak (target {share:.0%}: "
-                             f"{'met' if best >= share else 'missed'})")
-        totals = [s["total"] for s in (res["split"], res.get("split_compiled")) if s]
-        if res["model"] == ITERATION_TARGET[0] and totals and meta["gpus"] == 8:
-            found.append(f"{res['model']} iteration {min(totals):.1f} s per GPU of 8 (target "
-                         f"{ITERATION_TARGET[1]:.1f} s: {'met' if min(totals) <= ITERATION_TARGET[1] else 'missed'})")
-    return [] if not found else ["", "Targets (the better of eager and compiled): " + "; ".join(found) + "."]
+    by_model, found = {res["model"]: res for res in results}, []
+    for (model, phase), share in TARGETS.items():
+        res = by_model.get(model)
+        rates = [] if res is None else [p[phase]["tflops"] for p in (res["phases"], res.get("compiled") or {})
+                                        if "tflops" in p.get(phase, {})]
+        best = max(rates) / meta["peak_tflops"] if rates else None
+        found.append(f"{model} {phase} " + ("not measured" if best is None else f"{best:.0%} of peak") +
+                     f" (target {share:.0%}" + ("" if best is None else f": {'met' if best >= share else 'missed'}") + ")")
+    model, seconds = ITERATION_TARGET
+    res = by_model.get(model) or {}
+    totals = [s["total"] for s in (res.get("split"), res.get("split_compiled")) if s]
+    if meta["gpus"] == 8:
+        found.append(f"{model} iteration " + (f"{min(totals):.1f} s per GPU of 8" if totals else "not measured") +
+                     f" (target {seconds:.1f} s" + (f": {'met' if min(totals) <= seconds else 'missed'}" if totals
+                                                    else "") + ")")
+    return ["", "Targets (the better of eager and compiled): " + "; ".join(found) + "."]
 
 
 def loop_cost(phases):
@@ -697,6 +733,8 @@ def split_lines(results, meta):
         for res in results) + "."]
     if meta["skipped"]:
         lines += ["", f"Not measured, --time-limit reached first: {', '.join(meta['skipped'])}."]
+    if meta.get("failed"):
+        lines += ["", "**Failed** (what was measured before the error is above): " + "; ".join(meta["failed"]) + "."]
     return lines
 
 
@@ -741,40 +779,60 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = True   # as vgrpo's --tf32 default
         vgrpo.choose_attention_kernels(a.attention)   # as vgrpo's --attention (cuDNN's fails in the backward)
     vgrpo.quiet_libraries()
-    results, skipped = [], []
+    results, skipped, failed = [], [], []
+
+    def save(current=None):   # the report so far: a run cut short (device.sh's timeout) keeps what it measured
+        write([with_splits(res, gpus) for res in results + ([current] if current else [])], kernels, a, device,
+              gpus, skipped, failed, argv)
+
+    save()
     for name in names:
         if time.perf_counter() > deadline:
             print(f"{TITLES[name]}: skipped, --time-limit reached", flush=True)
             skipped.append(TITLES[name])
             continue
         print(f"{TITLES[name]}:", flush=True)
-        res = measure_model(name, a, gpus, device, deadline)
-        res["split"] = iteration_split(res, gpus, res["phases"])
-        res["split_compiled"] = iteration_split(res, gpus, {**res["phases"], **res["compiled"]}) \
-            if res.get("compiled") else None
-        results.append(res)
+        try:
+            res = measure_model(name, a, gpus, device, deadline, save)
+            results.append(res)
+            if res.get("error"):
+                failed.append(f"{TITLES[name]}: {res['error']}")
+        except Exception as e:   # noqa: BLE001  (the model could not be built: named, and the next one runs)
+            failed.append(f"{TITLES[name]}: {one_line(e)}")
+            print(f"  failed: {one_line(e)}", flush=True)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    write(results, kernels, a, device, gpus, skipped, argv)
+        save()
+    save()   # with the models skipped for time
+    print(f"wrote {a.out}" + (f"; failed: {'; '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
-def write(results, kernels, a, device, gpus, skipped, argv):
+def with_splits(res, gpus):
+    """res with its per-iteration splits, eager and compiled (iteration_split), from what it has measured."""
+    res["split"] = iteration_split(res, gpus, res["phases"])
+    res["split_compiled"] = iteration_split(res, gpus, {**res["phases"], **res["compiled"]}) \
+        if res.get("compiled") else None
+    return res
+
+
+def write(results, kernels, a, device, gpus, skipped, failed, argv):
     """results/gpu.md and gpu.json, with where and how they were measured."""
     import diffusers
 
     gpu = device.type == "cuda"
     meta = dict(gpu=gpu, device=torch.cuda.get_device_name(device) if gpu else "CPU", peak_tflops=peak_tflops(device),
                 torch=torch.__version__, diffusers=diffusers.__version__, date=datetime.date.today().isoformat(),
-                dtype="bf16" if gpu else "float32", repeats=a.repeats, gpus=gpus, skipped=skipped, kernels=kernels,
+                dtype="bf16" if gpu else "float32", repeats=a.repeats, gpus=gpus, skipped=skipped, failed=failed,
+                kernels=kernels,
                 command=" ".join(["python bench/gpu.py", *(sys.argv[1:] if argv is None else argv)]))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write(report(results, meta))
     with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
         json.dump(dict(meta, results=results), f, indent=1)
-    print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -455,15 +455,20 @@ def write_gpu_report(results, fake, device_name, context, seconds, path):
         f.write("\n".join(lines))
 
 
-CARDS_GB = (16, 24, 32, 48, 80, 141)   # GPU memory sizes on sale (H100: 80, H200: 141)
+# GPU memory sizes on sale (GB) -> the GiB the smallest common card of each size reports: x 0.93 up to 48 GB (L4 and
+# A10, 24 GB: 22.5 GiB; L40S, 48 GB: 45 GiB), 79.6 for the H100 80 GB, 140.4 for the H200
+CARDS = {16: 14.9, 24: 22.3, 32: 29.8, 48: 44.6, 80: 79.6, 141: 140.4}
 GUIDE = os.path.join(ROOT, "docs", "guide.md")
 GUIDE_MARKS = ("<!-- memory table: python bench/memory.py --guide -->", "<!-- end of the memory table -->")
 
 
 def fits_on(need, slack):
-    """The smallest card that holds `need` + `slack` GiB, and a smaller one that holds `need` alone (tight)."""
-    roomy = next((card for card in CARDS_GB if need + slack <= card), None)
-    tight = next((card for card in CARDS_GB if need <= card), None)
+    """The smallest card that holds `need` + `slack` GiB, and a smaller one that holds `need` alone (tight); need
+    None: the peak was not measured (out of memory)."""
+    if need is None:
+        return "none: use `--fsdp`"
+    roomy = next((card for card, gib in CARDS.items() if need + slack <= gib), None)
+    tight = next((card for card, gib in CARDS.items() if need <= gib), None)
     if roomy is None:
         return "none: use `--fsdp`" if tight is None else f"{tight} GB (tight)"
     return f"{roomy} GB" + (f" ({tight} GB is tight)" if tight < roomy else "")
@@ -478,20 +483,27 @@ def guide_table(fake, gpu=None):
     def size(value):
         return "OOM" if value is None else f"{value / GIB:.1f}" if value < 100 * GIB else f"{value / GIB:.0f}"
 
+    if gpu is not None and "results" not in gpu:
+        raise ValueError("memory-gpu.json is in the format before the device and the memory outside torch were "
+                         "recorded: run bench/memory.py --gpu again")
     measured, outside = (gpu or {}).get("results", {}), ((gpu or {}).get("outside_torch") or [0, 0])[-1] or 0
 
     def figures(name, key):   # resident, update peaks on / off, the fit, "(fake CUDA)" where the GPU did not measure
         on_gpu = {row[0]: row[1:3] for row in measured.get(name, {}).get(key, [])}
         rows = on_gpu or {row[0]: row[1:3] for row in fake[name][key]}
         (on, reserved), (off, _) = rows["update, checkpointing on"], rows["update, checkpointing off"]
-        need = (reserved + outside) / GIB if on_gpu else on / GIB + 1
-        fit = fits_on(need, need * 0.05 if on_gpu else on / GIB * 0.1)
+        if on is None:   # out of memory on the GPU
+            need = slack = None
+        else:
+            need = (reserved + outside) / GIB if on_gpu else on / GIB + 1
+            slack = need * 0.05 if on_gpu else on / GIB * 0.1
+        fit = fits_on(need, slack)
         mark = " (fake CUDA)" if measured and not on_gpu else ""   # only a table that mixes the two marks them
         return size(rows["resident between phases"][0]), size(on), size(off), fit, mark
 
     lines = ["| model, training | resident: weights, AdamW, rollout | peak: update, checkpointing on / off | fits on | "
-             "`--fsdp` over "
-             f"{WORLD}: resident, peak | fits on, with `--fsdp` |", "| --- | ---: | ---: | --- | ---: | --- |"]
+             f"`--fsdp` over {WORLD}: resident, peak | fits on, with `--fsdp` |",
+             "| --- | ---: | ---: | --- | ---: | --- |"]
     for name in fake:
         kind, training = name.split(" ", 1)
         label = f"{TITLES[kind]}, {training}" + (", bf16 base" if training.startswith("LoRA") else "") + \

@@ -336,7 +336,11 @@ def test_gpu_bench_quick_mode(tmp_path):
     ph["rollout"]["tflops"], ph["update"]["tflops"] = 0.41 * 989, 0.29 * 989
     on_gpu = gpu.report(measured, dict(data, gpu=True, device="NVIDIA H200", peak_tflops=989, gpus=8))
     assert "SD3.5-M rollout 41% of peak (target 40%: met); SD3.5-M update 29% of peak (target 30%: missed); " \
-           "SD3.5-M iteration " in on_gpu and "FLUX.1-dev rollout 0% of peak (target 45%: missed)" in on_gpu
+           "FLUX.1-dev rollout 0% of peak (target 45%: missed)" in on_gpu
+    fastest = min(split["total"] for split in (measured[0]["split"], measured[0]["split_compiled"]) if split)
+    assert f"SD3.5-M iteration {fastest:.1f} s per GPU of 8 (target 69.7 s: met)." in on_gpu    # (tiny: fast)
+    assert "FLUX.1-dev update not measured (target 45%)" in gpu.report(
+        measured[:1], dict(data, gpu=True, device="NVIDIA H200", peak_tflops=989, gpus=8))
     assert f"| SD3.5-M 64 px | rollout | 16 | 16 x 10 steps | {ph['rollout']['seconds']:.3f} | 405 | 41.0% |" in on_gpu
     assert "on 8 GPUs, seconds per GPU" in on_gpu and "**Not run on a GPU.**" not in on_gpu
     assert "| SD3.5-M | update (image tokens) | 64 x 2 x 16 x 8 | " in md and "no such kernel for these inputs" in md
@@ -423,6 +427,40 @@ def test_the_gpu_bench_times_the_rollouts_own_forwards_against_it(name):
     assert calls["rollout"][0][0][0] == sb * (2 if negative is not None else 1)
 
 
+def test_the_gpu_bench_writes_after_every_phase_and_reports_a_failing_one(tmp_path, monkeypatch):
+    """bench/gpu.py writes its report after every phase, so a run that device.sh's timeout kills keeps what it
+    measured; a phase that raises (out of memory, a compile error) ends that model's measurement, named in the
+    report with the phases before it kept, the next model still runs and the exit status is 1."""
+    import gpu
+    import vgrpo
+
+    real_update, written, real_write = vgrpo.update, [], gpu.write
+
+    def failing_update(family, model, optimizer, params, batch, args, *a):   # the FLOP count's (one sample) runs
+        if args.micro_batch > 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_update(family, model, optimizer, params, batch, args, *a)
+
+    def recording_write(results, *a, **k):
+        written.append([sorted(res["phases"]) for res in results])
+        return real_write(results, *a, **k)
+
+    monkeypatch.setattr(vgrpo, "update", failing_update)
+    monkeypatch.setattr(gpu, "write", recording_write)
+    out = tmp_path / "gpu.md"
+    assert gpu.main(["--quick", "--modes", "eager", "--repeats", "1", "--out", str(out)]) == 1
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert [r["model"] for r in data["results"]] == ["SD3.5-M", "FLUX.1-dev"]        # the next model ran
+    for r in data["results"]:
+        assert list(r["phases"]) == ["rollout", "forwards", "old surrogate"]         # kept; the update failed
+        assert r["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert "**Failed** (what was measured before the error is above): SD3.5-M: RuntimeError: CUDA out of " in \
+        out.read_text()
+    # written at the start, after each phase as it was measured, and after each model
+    assert written[0] == [] and written[1] == [["rollout"]] and written[2] == [["forwards", "rollout"]]
+    assert written[-1] == [["forwards", "old surrogate", "rollout"]] * 2 and len(written) == 1 + 2 * 4 + 1
+
+
 @pytest.mark.parametrize("name", ["sd3", "flux", "qwen-image"])
 def test_the_kernel_probes_shapes_are_those_the_models_attend_at(name, monkeypatch):
     """bench/gpu.py --kernels times attention at attention_shapes: they must be the (rows, heads, tokens, head dim)
@@ -464,21 +502,21 @@ def test_the_kernel_probes_shapes_are_those_the_models_attend_at(name, monkeypat
     assert len(expected["rollout"]) == (2 if name == "sd3" else 1)     # SD3's dual blocks: the image tokens alone
 
 
-def test_attention_flops_are_torchs_count_of_the_math_kernel():
-    """The kernel probe's FLOPs (bench/gpu.attention_flops) equal what torch's FlopCounterMode counts for math
-    attention, forward alone and forward + backward, so its TFLOP/s compare with the phases' (counted the same way)."""
+def test_attention_flops_are_torchs_count_of_a_fused_kernel():
+    """The kernel probe's FLOPs (bench/gpu.attention_flops) equal what torch's FlopCounterMode counts for a fused
+    attention kernel (the memory-efficient one, on meta tensors), forward alone and forward + backward: the count
+    the phases' TFLOP/s get on a GPU, so the probe's rates compare with theirs."""
     import gpu
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v = (torch.randn(3, 2, 24, 8, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(3, 2, 24, 8, device="meta", requires_grad=True) for _ in range(3))
 
     def attend():
-        with sdpa_kernel(SDPBackend.MATH):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[0]
 
     with torch.no_grad():
         assert gpu.count_flops(attend) == gpu.attention_flops(3, 2, 24, 8, backward=False)
-    assert gpu.count_flops(lambda: torch.autograd.grad(attend(), (q, k, v), torch.ones(3, 2, 24, 8))) == \
+    grad = torch.ones(3, 2, 24, 8, device="meta")
+    assert gpu.count_flops(lambda: torch.autograd.grad(attend(), (q, k, v), grad)) == \
         gpu.attention_flops(3, 2, 24, 8, backward=True)
 
 
@@ -499,12 +537,13 @@ def test_the_kernel_probe_keeps_what_it_measured_before_its_process_died(tmp_pat
     assert probe["kernels"] == gpu.sdpa_kernels() and probe["kernels"][-1] == "cudnn"
     assert probe["rows"][0] == first and len(probe["rows"]) == len(probe["kernels"]) * len(shapes)
     for r in probe["rows"][1:]:
-        assert r["error"] == "the probe stopped: RuntimeError: CUDA error: an illegal memory access was encountered"
+        assert r["error"] == "the probe stopped: exit 1: RuntimeError: CUDA error: an illegal memory access was " \
+                             "encountered"
     fake.write_text(f"#!/bin/sh\necho '{json.dumps(first)}'\nsleep 30\n")
     probe = gpu.measure_kernels(["sd3"], True, 1, timeout=2)
     assert probe["rows"][0] == first and probe["rows"][1]["error"] == "the probe stopped: timed out after 2 s"
     lines = gpu.kernel_lines(probe, dict(peak_tflops=None, gpu=False))
-    assert "| SD3.5-M | rollout | 16 x 2 x 24 x 8 | 1 ms, 2, diff 0 | fails: the probe stopped: timed out" in \
+    assert "| SD3.5-M | rollout | 16 x 2 x 24 x 8 | 1 ms, 2, diff 0 | the probe stopped: timed out after 2 s |" in \
         "\n".join(lines)
 
 
@@ -713,11 +752,15 @@ def test_the_guides_memory_table_is_the_one_the_results_give():
         guide = f.read()
     start, end = (guide.index(mark) for mark in memory.GUIDE_MARKS)
     assert guide[start + len(memory.GUIDE_MARKS[0]):end].strip() == memory.results_table()
-    assert memory.fits_on(10.0, 1.0) == "16 GB" and memory.fits_on(16.0, 0.0) == "16 GB"
-    assert memory.fits_on(15.0, 1.5) == "24 GB (16 GB is tight)"
-    assert memory.fits_on(45.0, 4.5) == "80 GB (48 GB is tight)"
+    # the cards' usable GiB: 16 GB 14.9, 24 GB 22.3, 48 GB 44.6, 80 GB 79.6, 141 GB 140.4
+    assert memory.fits_on(10.0, 1.0) == "16 GB" and memory.fits_on(14.9, 0.0) == "16 GB"
+    assert memory.fits_on(16.0, 0.0) == "24 GB"                              # 16 GiB needs more than a 16 GB card
+    assert memory.fits_on(14.0, 1.4) == "24 GB (16 GB is tight)"
+    assert memory.fits_on(42.0, 4.2) == "80 GB (48 GB is tight)"
     assert memory.fits_on(140.0, 14.0) == "141 GB (tight)"
-    assert memory.fits_on(150.0, 15.0) == "none: use `--fsdp`"
+    assert memory.fits_on(150.0, 15.0) == "none: use `--fsdp`" and memory.fits_on(None, None) == "none: use `--fsdp`"
+    with pytest.raises(ValueError, match="run bench/memory.py --gpu again"):   # the format before the device's name
+        memory.guide_table({}, {"sd3 LoRA r32": {"one": []}})
 
 
 def test_the_device_script_fits_its_9_minutes_and_8_files():

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: one short run on a GPU machine, each part under a time limit, at most 9 minutes in all.
+# The GPU check: one short run on a GPU machine, each part under a time limit, 9 minutes of limits in all (plus the
+# wheels' install and the version line, seconds).
 #   bench/smoke.py         one whole iteration of every configuration at the real shapes (random weights): no crash,
 #                          the ratio at the first inner step, finite losses, peak memory; exits 1 naming a failure
 #   bench/memory.py --gpu  every phase's peak (allocated and reserved) beside results/memory.json's fake-CUDA bytes,

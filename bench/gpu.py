@@ -265,8 +265,9 @@ def count_flops(fn):
 
 def measure_model(name, a, gpus, device, deadline, save):
     """Build one model and time its phases -> a dict; phases not started before `deadline` are left out. save(res)
-    writes the report with what has been measured so far: it is called after every phase. An error in a phase ends
-    the model's measurement with res["error"]; the phases measured before it stay."""
+    writes the report with what has been measured so far: it is called after every phase. An error ends its part
+    (eager, decode / reward / text, compiled, profile) with res["error"]; what was measured stays, the next part
+    runs."""
     family, args, cond_shapes = make_family(name, a.quick, device)
     model = family.transformer
     params = vgrpo.add_trainable_weights(family, args)
@@ -305,21 +306,34 @@ def measure_model(name, a, gpus, device, deadline, save):
         "update": (lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1), mb,
                    res["flops_update_sample"] * mb),
     }
-    try:
-        if "eager" in a.modes:
-            run_phases(res["phases"], phases, args, k, a.repeats, device, deadline, lambda: save(res))
-        # what else an iteration does: decode, reward (never compiled); the text encoders once per prompt
-        measure_beside(res, name, a.quick, family, args, cond, noise, device, deadline, lambda: save(res))
-        if "compiled" in a.modes and time.perf_counter() < deadline:
-            vgrpo.compile_blocks(family, dataclasses.replace(args, compile="on"), device)
-            res["compiled"] = {}
-            run_phases(res["compiled"], phases, args, k, a.repeats, device, deadline, lambda: save(res))
-        if a.profile and time.perf_counter() < deadline:   # the last mode measured: compiled where it was
-            res["profile"] = {phase: profile_table(phases[phase][0], device) for phase in ("rollout", "update")}
-            res["profile_mode"] = "compiled" if family.compiled else "eager"
-    except Exception as e:   # noqa: BLE001  (out of memory, a compile error: reported, and the next model runs)
-        res["error"] = one_line(e)
-        print(f"  failed: {res['error']}", flush=True)
+    def attempt(what, fn):   # an error (out of memory, a compile error) is reported; the next step still runs
+        try:
+            fn()
+        except Exception as e:   # noqa: BLE001
+            res["error"] = "; ".join(filter(None, [res.get("error"), f"{what}: {one_line(e)}"]))
+            print(f"  {what} failed: {one_line(e)}", flush=True)
+
+    if "eager" in a.modes:
+        attempt("eager", lambda: run_phases(res["phases"], phases, args, k, a.repeats, device, deadline,
+                                            lambda: save(res)))
+    # what else an iteration does: decode, reward (never compiled); the text encoders once per prompt
+    attempt("decode, reward, text", lambda: measure_beside(res, name, a.quick, family, args, cond, noise, device,
+                                                           deadline, lambda: save(res)))
+
+    def compiled():
+        vgrpo.compile_blocks(family, dataclasses.replace(args, compile="on"), device)
+        res["compiled"] = {}
+        run_phases(res["compiled"], phases, args, k, a.repeats, device, deadline, lambda: save(res))
+
+    if "compiled" in a.modes and time.perf_counter() < deadline:
+        attempt("compiled", compiled)
+
+    def profile():   # the last mode measured: compiled where it was
+        res["profile"] = {phase: profile_table(phases[phase][0], device) for phase in ("rollout", "update")}
+        res["profile_mode"] = "compiled" if family.compiled else "eager"
+
+    if a.profile and time.perf_counter() < deadline:
+        attempt("profile", profile)
     if "eager" not in a.modes:   # compiled only: its numbers are the phases'
         res["phases"], res["compiled"] = {**res["phases"], **(res["compiled"] or {})}, None
     return res
@@ -469,9 +483,12 @@ def measure_kernels(names, quick, gpus, timeout):
     rows = []
     for line in stdout.splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:   # a line cut off by the crash, or a library's print
             continue
+        if isinstance(row, dict) and {"kernel", "model", "phase", "error"} <= set(row):
+            rows.append(row)
+    failure = failure or "it ended without a row for these"
     done = {(r["kernel"], r["model"], r["phase"]) for r in rows}
     rows += [dict(kernel=kernel, model=model, phase=phase, error=f"the probe stopped: {failure}")
              for kernel in kernels for model, phase, *_ in shapes if (kernel, model, phase) not in done]
@@ -592,6 +609,7 @@ def measure_beside(res, name, quick, family, args, cond, noise, device, deadline
         t5_tokens = {"sd3": 256, "flux": 512}.get(name)
         res["text_s_per_prompt"] = text_encoding(name, quick, device, family.amp_dtype or torch.float32, t5_tokens)
         print(f"  text encoders: {res['text_s_per_prompt'] * 1e3:.1f} ms per prompt", flush=True)
+        saved()
 
 
 def iteration_split(res, gpus, phases):
@@ -735,6 +753,9 @@ def split_lines(results, meta):
         lines += ["", f"Not measured, --time-limit reached first: {', '.join(meta['skipped'])}."]
     if meta.get("failed"):
         lines += ["", "**Failed** (what was measured before the error is above): " + "; ".join(meta["failed"]) + "."]
+    if meta.get("unfinished"):
+        lines += ["", "**Incomplete**: written while the run went on; not finished: " + ", ".join(meta["unfinished"])
+                  + "."]
     return lines
 
 
@@ -771,22 +792,30 @@ def main(argv=None):
     kernels = None
     if a.kernels:   # before --attention's choice below: measure_kernels sets vgrpo's default to see what torch picks
         print("attention kernels:", flush=True)
-        kernels = measure_kernels(names, a.quick, gpus, timeout=60)
-        for r in kernels["rows"]:
-            print(f"  {r['kernel']} {r['model']} {r['phase']}: " +
-                  (r["error"] if r["error"] else f"{r['ms']:.3g} ms, {r['tflops']:.3g} TFLOP/s"), flush=True)
+        try:
+            kernels = measure_kernels(names, a.quick, gpus, timeout=60)
+            for r in kernels["rows"]:
+                print(f"  {r['kernel']} {r['model']} {r['phase']}: " +
+                      (r["error"] if r["error"] else f"{r['ms']:.3g} ms, {r['tflops']:.3g} TFLOP/s"), flush=True)
+        except Exception as e:   # noqa: BLE001  (the probe must not cost the models' measurements)
+            print(f"  failed: {one_line(e)}", flush=True)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True   # as vgrpo's --tf32 default
         vgrpo.choose_attention_kernels(a.attention)   # as vgrpo's --attention (cuDNN's fails in the backward)
     vgrpo.quiet_libraries()
-    results, skipped, failed = [], [], []
+    # read once: after a CUDA error the device may not answer, and the report must still be written
+    where = dict(gpu=device.type == "cuda", peak_tflops=peak_tflops(device),
+                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU")
+    results, skipped, failed, pending = [], [], [], [TITLES[name] for name in names]
 
     def save(current=None):   # the report so far: a run cut short (device.sh's timeout) keeps what it measured
-        write([with_splits(res, gpus) for res in results + ([current] if current else [])], kernels, a, device,
-              gpus, skipped, failed, argv)
+        unfinished = ([f"{current['model']} (being measured)"] if current else []) + pending
+        write([with_splits(res, gpus) for res in results + ([current] if current else [])], kernels, a, where,
+              gpus, skipped, failed, unfinished, argv)
 
     save()
     for name in names:
+        pending.remove(TITLES[name])
         if time.perf_counter() > deadline:
             print(f"{TITLES[name]}: skipped, --time-limit reached", flush=True)
             skipped.append(TITLES[name])
@@ -800,38 +829,43 @@ def main(argv=None):
         except Exception as e:   # noqa: BLE001  (the model could not be built: named, and the next one runs)
             failed.append(f"{TITLES[name]}: {one_line(e)}")
             print(f"  failed: {one_line(e)}", flush=True)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         save()
+        try:   # after a CUDA error the allocator may fail too: the report is already written
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:   # noqa: BLE001
+            print(f"  freeing memory failed: {one_line(e)}", flush=True)
     save()   # with the models skipped for time
     print(f"wrote {a.out}" + (f"; failed: {'; '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
 def with_splits(res, gpus):
-    """res with its per-iteration splits, eager and compiled (iteration_split), from what it has measured."""
+    """res with its per-iteration splits (iteration_split): eager, and compiled once the compiled rollout, old
+    surrogate and update are all measured (the decode and the reward are never compiled: their eager figures)."""
     res["split"] = iteration_split(res, gpus, res["phases"])
-    res["split_compiled"] = iteration_split(res, gpus, {**res["phases"], **res["compiled"]}) \
-        if res.get("compiled") else None
+    compiled = res.get("compiled") or {}
+    res["split_compiled"] = iteration_split(res, gpus, {**res["phases"], **compiled}) \
+        if all(phase in compiled for phase in ("rollout", "old surrogate", "update")) else None
     return res
 
 
-def write(results, kernels, a, device, gpus, skipped, failed, argv):
-    """results/gpu.md and gpu.json, with where and how they were measured."""
+def write(results, kernels, a, where, gpus, skipped, failed, unfinished, argv):
+    """results/gpu.md and gpu.json, with where and how they were measured; each written to a temporary file first, so
+    that a run killed while writing leaves the previous complete one."""
     import diffusers
 
-    gpu = device.type == "cuda"
-    meta = dict(gpu=gpu, device=torch.cuda.get_device_name(device) if gpu else "CPU", peak_tflops=peak_tflops(device),
-                torch=torch.__version__, diffusers=diffusers.__version__, date=datetime.date.today().isoformat(),
-                dtype="bf16" if gpu else "float32", repeats=a.repeats, gpus=gpus, skipped=skipped, failed=failed,
-                kernels=kernels,
+    meta = dict(where, torch=torch.__version__, diffusers=diffusers.__version__,
+                date=datetime.date.today().isoformat(), dtype="bf16" if where["gpu"] else "float32",
+                repeats=a.repeats, gpus=gpus, skipped=skipped, failed=failed, unfinished=unfinished, kernels=kernels,
                 command=" ".join(["python bench/gpu.py", *(sys.argv[1:] if argv is None else argv)]))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        f.write(report(results, meta))
-    with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-        json.dump(dict(meta, results=results), f, indent=1)
+    for path, text in ((a.out, report(results, meta)),
+                       (os.path.splitext(a.out)[0] + ".json", json.dumps(dict(meta, results=results), indent=1))):
+        with open(path + ".partial", "w") as f:
+            f.write(text)
+        os.replace(path + ".partial", path)
 
 
 if __name__ == "__main__":

@@ -379,8 +379,11 @@ def test_gpu_bench_quick_mode(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     r = json.loads((tmp_path / "compiled.json").read_text())["results"][0]
     assert list(r["compiled"]) == ["rollout", "forwards", "old surrogate", "update"]
-    for phase, c in r["compiled"].items():   # the first run compiled (the forwards run what the rollout compiled)
-        assert phase == "forwards" or c["warm_up_s"] > c["seconds"] > 0 and c["compile_s"] > 0
+    # the first run of each compiled graph compiled: the rollout's (no gradients; the forwards run it again) and the
+    # old surrogate's (with gradients, as vgrpo runs it compiled: the update's forward reuses it)
+    for phase, c in r["compiled"].items():
+        assert c["seconds"] > 0 and (phase in ("forwards", "update") or c["warm_up_s"] > c["seconds"] and
+                                     c["compile_s"] > 0)
     assert r["split_compiled"]["update"] == pytest.approx(n / r["micro_batch"] * r["compiled"]["update"]["seconds"])
     assert r["split_compiled"]["decode"] == r["split"]["decode"]     # the VAE is not compiled: the eager figure
     md = compiled_out.read_text()
@@ -428,9 +431,10 @@ def test_the_gpu_bench_times_the_rollouts_own_forwards_against_it(name):
 
 
 def test_the_gpu_bench_writes_after_every_phase_and_reports_a_failing_one(tmp_path, monkeypatch):
-    """bench/gpu.py writes its report after every phase, so a run that device.sh's timeout kills keeps what it
-    measured; a phase that raises (out of memory, a compile error) ends that model's measurement, named in the
-    report with the phases before it kept, the next model still runs and the exit status is 1."""
+    """bench/gpu.py writes its report after every phase, marked incomplete until the end, so a run that device.sh's
+    timeout kills keeps what it measured and says so; a phase that raises (out of memory, a compile error) ends
+    that part of the model's measurement, named in the report with what was measured kept, the next part and the
+    next model still run and the exit status is 1. A compiled split is not made of eager and compiled phases mixed."""
     import gpu
     import vgrpo
 
@@ -441,9 +445,9 @@ def test_the_gpu_bench_writes_after_every_phase_and_reports_a_failing_one(tmp_pa
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real_update(family, model, optimizer, params, batch, args, *a)
 
-    def recording_write(results, *a, **k):
-        written.append([sorted(res["phases"]) for res in results])
-        return real_write(results, *a, **k)
+    def recording_write(results, kernels, a, where, gpus, skipped, failed, unfinished, argv):
+        written.append(([sorted(res["phases"]) for res in results], list(unfinished)))
+        return real_write(results, kernels, a, where, gpus, skipped, failed, unfinished, argv)
 
     monkeypatch.setattr(vgrpo, "update", failing_update)
     monkeypatch.setattr(gpu, "write", recording_write)
@@ -451,14 +455,26 @@ def test_the_gpu_bench_writes_after_every_phase_and_reports_a_failing_one(tmp_pa
     assert gpu.main(["--quick", "--modes", "eager", "--repeats", "1", "--out", str(out)]) == 1
     data = json.loads((tmp_path / "gpu.json").read_text())
     assert [r["model"] for r in data["results"]] == ["SD3.5-M", "FLUX.1-dev"]        # the next model ran
-    for r in data["results"]:
-        assert list(r["phases"]) == ["rollout", "forwards", "old surrogate"]         # kept; the update failed
-        assert r["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
-    assert "**Failed** (what was measured before the error is above): SD3.5-M: RuntimeError: CUDA out of " in \
-        out.read_text()
-    # written at the start, after each phase as it was measured, and after each model
-    assert written[0] == [] and written[1] == [["rollout"]] and written[2] == [["forwards", "rollout"]]
-    assert written[-1] == [["forwards", "old surrogate", "rollout"]] * 2 and len(written) == 1 + 2 * 4 + 1
+    for r in data["results"]:   # the update failed; the decode, the reward and the text encoders still ran
+        assert list(r["phases"]) == ["rollout", "forwards", "old surrogate", "decode", "reward"]
+        assert r["error"] == "eager: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+        assert r["text_s_per_prompt"] > 0
+    md = out.read_text()
+    assert "**Failed** (what was measured before the error is above): SD3.5-M: eager: RuntimeError: CUDA out " in md
+    assert "**Incomplete**" not in md and not data["unfinished"]
+    # written at the start, after each phase as it was measured (5 and the text encoders), after each model and at
+    # the end; all but the last say what is unfinished
+    assert written[0] == ([], ["SD3.5-M", "FLUX.1-dev"]) and len(written) == 1 + 2 * 7 + 1
+    assert written[1] == ([["rollout"]], ["SD3.5-M (being measured)", "FLUX.1-dev"])
+    assert written[2] == ([["forwards", "rollout"]], ["SD3.5-M (being measured)", "FLUX.1-dev"])
+    assert written[7] == ([["decode", "forwards", "old surrogate", "reward", "rollout"]], ["FLUX.1-dev"])
+    assert written[8][1] == ["FLUX.1-dev (being measured)"] and written[-2][1] == written[-1][1] == []
+    # a compiled split needs the compiled rollout, old surrogate and update: not eager ones filling in
+    eager = data["results"][0]["phases"]
+    partial = dict(data["results"][0], phases=dict(eager, update=eager["old surrogate"]),   # every eager phase
+                   compiled={"rollout": eager["rollout"]})                                    # one compiled phase
+    assert gpu.with_splits(partial, 1)["split"] is not None and partial["split_compiled"] is None
+    assert gpu.main(["--quick", "--time-limit", "0", "--out", str(tmp_path / "none.md")]) == 0
 
 
 @pytest.mark.parametrize("name", ["sd3", "flux", "qwen-image"])

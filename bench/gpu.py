@@ -313,17 +313,19 @@ def measure_model(name, a, gpus, device, deadline, save):
             res["error"] = "; ".join(filter(None, [res.get("error"), f"{what}: {one_line(e)}"]))
             print(f"  {what} failed: {one_line(e)}", flush=True)
 
+    def saved():
+        save(res)
+
     if "eager" in a.modes:
-        attempt("eager", lambda: run_phases(res["phases"], phases, args, k, a.repeats, device, deadline,
-                                            lambda: save(res)))
+        attempt("eager", lambda: run_phases(res["phases"], phases, args, k, a.repeats, device, deadline, saved))
     # what else an iteration does: decode, reward (never compiled); the text encoders once per prompt
     attempt("decode, reward, text", lambda: measure_beside(res, name, a.quick, family, args, cond, noise, device,
-                                                           deadline, lambda: save(res)))
+                                                           deadline, saved))
 
     def compiled():
         vgrpo.compile_blocks(family, dataclasses.replace(args, compile="on"), device)
         res["compiled"] = {}
-        run_phases(res["compiled"], phases, args, k, a.repeats, device, deadline, lambda: save(res))
+        run_phases(res["compiled"], phases, args, k, a.repeats, device, deadline, saved)
 
     if "compiled" in a.modes and time.perf_counter() < deadline:
         attempt("compiled", compiled)
@@ -530,9 +532,8 @@ def failure_cell(error):
         return "no such kernel for these inputs here"
     if error.startswith("No module named"):
         return "not installed (" + error.split("'")[1] + ")"
-    if error.startswith(("not run", "the probe stopped")):
-        return error if len(error) <= 80 else error[:77] + "..."
-    return "fails: " + (error if len(error) <= 80 else error[:77] + "...")
+    short = error if len(error) <= 80 else error[:77] + "..."
+    return short if error.startswith(("not run", "the probe stopped")) else "fails: " + short
 
 
 def kernel_lines(kernels, meta):

@@ -334,9 +334,12 @@ def test_gpu_bench_quick_mode(tmp_path):
     measured = json.loads(json.dumps(data["results"]))
     ph = measured[0]["phases"]
     ph["rollout"]["tflops"], ph["update"]["tflops"] = 0.41 * 989, 0.29 * 989
-    on_gpu = gpu.report(measured, dict(data, gpu=True, device="NVIDIA H200", peak_tflops=989, gpus=8))
-    assert "SD3.5-M rollout 41% of peak (target 40%: met); SD3.5-M update 29% of peak (target 30%: missed); " \
-           "FLUX.1-dev rollout 0% of peak (target 45%: missed)" in on_gpu
+    assert data["matmul_tflops"] > 0                                       # the CPU's float32 rate, in quick mode
+    on_gpu = gpu.report(measured, dict(data, gpu=True, device="NVIDIA H200", peak_tflops=989, gpus=8,
+                                       matmul_tflops=791))
+    assert "NVIDIA H200 (dense bf16 peak 989 TFLOP/s; a 8192^3 bf16 matrix product ran at 791 here" in on_gpu
+    assert "SD3.5-M rollout 41% of peak, 51% of the matrix product's (target 40%: met); SD3.5-M update 29% of " \
+           "peak, 36% of the matrix product's (target 30%: missed); FLUX.1-dev rollout 0% of peak" in on_gpu
     fastest = min(split["total"] for split in (measured[0]["split"], measured[0]["split_compiled"]) if split)
     assert f"SD3.5-M iteration {fastest:.1f} s per GPU of 8 (target 69.7 s: met)." in on_gpu    # (tiny: fast)
     assert "FLUX.1-dev update not measured (target 45%)" in gpu.report(

@@ -343,7 +343,9 @@ class _Audit(TorchDispatchMode):
                 h.count("d2h_sync", func)
                 dtype = kwargs.get("dtype") or src.dtype
                 return self.real(aten.full.default, (src.shape, dummy_value(dtype)), {"dtype": dtype})
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)   # on the device: a cast (x.float(), autocast's) is a new storage there too
+            h.memory.track(out)
+            return out
         dst, src = args[0], args[1]
         if dst.device.type == "cuda" and src.device.type == "cpu":
             if src.dim() > 0:
@@ -363,7 +365,7 @@ class DeviceMemory:
     the dispatcher."""
 
     def __init__(self):
-        self.live = {}                                # storage id -> [bytes, tensors alive on it]
+        self.live = {}                                # storage id -> [bytes, tensors alive on it, the storage]
         self.cells = {}                               # id(tensor) -> (weak reference, [storage id it is counted on])
         self.current = self.peak = 0
 
@@ -379,7 +381,10 @@ class DeviceMemory:
         storage = t.untyped_storage()
         entry = self.live.get(storage._cdata)
         if entry is None:
-            entry = self.live[storage._cdata] = [storage.nbytes(), 0]
+            # holding the storage keeps its address (the id) from being reused by a new storage while counted: a
+            # tensor whose storage is swapped (`.data = other`) leaves its old one here until reconcile() moves it,
+            # and a new storage at the old address would otherwise be taken for it (and its bytes never counted)
+            entry = self.live[storage._cdata] = [storage.nbytes(), 0, storage]
             self.current += entry[0]
             self.peak = max(self.peak, self.current)
         entry[1] += 1

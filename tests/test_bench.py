@@ -760,6 +760,53 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
     assert "**failed**: not run: --budget 1 s spent |" in report
 
 
+def test_the_saved_tensor_census_counts_each_storage_once_by_the_node_that_holds_it():
+    """bench/memory.py's saved_by_op: the bytes autograd keeps for a backward, per kind of node, against the graph's
+    own arithmetic; and census_lines' table of it beside another census."""
+    import memory
+
+    class Twice(torch.autograd.Function):   # a custom Function keeps its tensors in saved_tensors
+        @staticmethod
+        def forward(ctx, x):
+            doubled = x * 2
+            ctx.save_for_backward(doubled)
+            return doubled.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    a, weight = torch.randn(8, 16, requires_grad=True), torch.randn(16, 32)   # the weight: resident, left out
+    y = a @ weight               # mm keeps the weight (for a's gradient)
+    s = y.sin()                  # sin keeps y: 8 x 32 float32 = 1024 bytes
+    e = s.exp()                  # exp keeps its output e: 1024
+    m = s[:4] * s[4:]            # mul keeps both halves of s: one storage, 1024
+    t = Twice.apply(e[:, :2])    # its 8 x 2 product: 64
+    loss = e.sum() + m.sum() + t.sum()
+    census = memory.saved_by_op(loss, exclude=[weight])
+    assert census == {"SinBackward0": 1024, "ExpBackward0": 1024, "MulBackward0": 1024, "TwiceBackward": 64}
+    assert memory.saved_by_op(loss)["MmBackward0"] == 16 * 32 * 4
+
+    gib = 2 ** 30
+    fake = dict(resident={"the VAE": gib, "none of these": 0}, saved={"MulBackward0": 3 * gib, "MmBackward0": 2 * gib,
+                "GeluBackward0": gib}, forward=6 * gib, backward_peak=gib)
+    gpu = dict(resident={"the VAE": gib, "none of these": gib // 4}, saved={"MulBackward0": 3 * gib,
+               "MmBackward0": 2 * gib, "ToCopyBackward0": gib // 2, "GeluBackward0": gib}, forward=8 * gib,
+               backward_peak=2 * gib)
+    lines = memory.census_lines([("fake CUDA", fake), ("GPU", gpu), ("nowhere", None)], top=2)
+    assert lines[2:] == ["| | fake CUDA | GPU |", "| --- | ---: | ---: |",
+                         "| resident: the VAE | 1.00 | 1.00 |", "| resident: none of these | 0.00 | 0.25 |",
+                         "| saved by MulBackward0 | 3.00 | 3.00 |", "| saved by MmBackward0 | 2.00 | 2.00 |",
+                         "| saved by 2 other kinds of node | 1.00 | 1.50 |",
+                         "| **saved for the backward, in all** | 6.00 | 6.50 |",
+                         "| allocated by the forward, saved by no node | 0.00 | 1.50 |",
+                         "| the backward's peak above the forward's end | 1.00 | 2.00 |", ""]
+    # an update that did not fit (out of memory on the GPU): the resident parts alone
+    lines = memory.census_lines([("fake CUDA", fake), ("GPU", dict(resident=gpu["resident"]))])
+    assert lines[4:] == ["| resident: the VAE | 1.00 | 1.00 |", "| resident: none of these | 0.00 | 0.25 |", ""]
+    assert memory.census_lines([("fake CUDA", None)]) == []
+
+
 def test_the_guides_memory_table_is_the_one_the_results_give():
     """docs/guide.md's memory table is what `bench/memory.py --guide` makes of the committed results
     (results/memory.json, and memory-gpu.json once a GPU measured): it fails when one changes without the other.

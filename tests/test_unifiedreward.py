@@ -176,13 +176,16 @@ def test_the_judges_instruction_follows_the_model_id_or_the_spec(capsys):
 
 def test_the_first_refusal_fails_the_batch_without_sending_the_rest():
     answers = {str(i): "Final Score: 3" for i in range(8)}
-    with ChatServer(answers, fail_first=1, fail_code=400, delay=0.3) as server:
+    # each answer takes 1 s: the batch's 4 rounds would take 4 s, the refusal and the one request beside it 1 s
+    # (the margin is for a loaded machine: at 0.3 s a round, a full test suite once took over the bound)
+    images = _images(8)
+    with ChatServer(answers, fail_first=1, fail_code=400, delay=1.0) as server:
         fn = reward.unifiedreward_reward(server.base, model="judge", concurrency=2, retries=0)
         t0 = time.time()
         with pytest.raises(reward.RewardError, match="refused the request"):
-            fn(_images(8), list(map(str, range(8))))
-        assert time.time() - t0 < 1.0                        # not the 4 rounds of 0.3 s the batch would take
-        time.sleep(0.5)
+            fn(images, list(map(str, range(8))))
+        assert time.time() - t0 < 2.5                        # not the 4 rounds the batch would take
+        time.sleep(1.5)
         assert len(server.bodies) <= 3                       # the queued requests were never sent
 
 

@@ -105,22 +105,24 @@ def peak_tflops(device):
 MATMUL_N = 8192   # matmul_tflops' size on a GPU: two 128 MiB bf16 operands, far beyond the L2 cache
 
 
-def matmul_tflops(device, n=MATMUL_N, repeats=10):
+def matmul_tflops(device, n=MATMUL_N, batches=5, per_batch=10):
     """The rate a plain n x n x n matrix product reaches here (bf16 on a GPU, float32 on the CPU), TFLOP/s: the ceiling
     a transformer's matrix products can approach on this chip, which a data sheet's peak overstates (an H100 / H200
-    of this project's machines: about 790 of the 989 quoted). Random inputs (zeros run faster), three warm-ups, the
-    mean of `repeats` products."""
+    of this project's machines: about 790 of the 989 quoted). Random inputs (zeros run faster), a warm-up of a
+    batch's length (clocks ramp, cuBLAS picks its kernel), then the fastest of `batches` batches of `per_batch`
+    products, as the phases take the fastest of their repeats."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=generator) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    sync(device)
-    return 2 * n ** 3 * repeats / (time.perf_counter() - t) / 1e12
+    best = math.inf
+    for batch in range(batches + 1):   # the first batch is the warm-up
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(per_batch):
+            a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t) if batch else best
+    return 2 * n ** 3 * per_batch / best / 1e12
 
 
 def build_transformer(cls_name, config, device, dtype):
@@ -663,8 +665,8 @@ def report(results, meta):
                   "GPU to measure the real shapes.", ""]
     where = "the CPU"
     if meta["gpu"]:
-        practical = f"; a {MATMUL_N}^3 bf16 matrix product ran at {meta['matmul_tflops']:.0f} here, the ceiling in " \
-            "practice" if meta.get("matmul_tflops") else ""
+        practical = f"; an {MATMUL_N}^3 bf16 matrix product ran at {meta['matmul_tflops']:.0f} TFLOP/s here, the " \
+            "ceiling in practice" if meta.get("matmul_tflops") else ""
         where = f"{meta['device']} (dense bf16 peak {peak or '?'} TFLOP/s{practical})"
     lines += [f"`{meta['command']}` on {where}, torch {meta['torch']}, diffusers {meta['diffusers']}, {meta['date']}; "
               f"weights in {meta['dtype']}, the recipe's LoRA (float32), gradient checkpointing, "

@@ -250,11 +250,12 @@ def peak_bytes(fn):
         torch.cuda.empty_cache()
 
 
-def saved_by_op(loss, exclude=()):
+def saved_by_op(loss, exclude=(), device_type=None):
     """What autograd holds for the backward of `loss`: {kind of node: bytes}, largest first. Every tensor a node saved
     (its `_saved_*` attributes; a custom Function's saved_tensors) counts with its whole storage, once, at the first
-    node found holding it; the storages of `exclude` (weights, the batch: resident anyway) are left out. Read with
-    checkpointing off: under checkpointing, reading a saved tensor recomputes it."""
+    node found holding it; the storages of `exclude` (weights, the batch: resident anyway) are left out, and with
+    `device_type` those elsewhere (a CPU scalar, attention's random seeds). Read with checkpointing off: under
+    checkpointing, reading a saved tensor recomputes it."""
     import collections
 
     import torch
@@ -272,7 +273,8 @@ def saved_by_op(loss, exclude=()):
             except RuntimeError:   # a custom Function's tensors already freed
                 continue
             for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in counted:
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in counted and \
+                        device_type in (None, t.device.type):
                     counted.add(t.untyped_storage()._cdata)
                     by_op[type(node).__name__] += t.untyped_storage().nbytes()
         stack.extend(next_node for next_node, _ in node.next_functions)
@@ -346,10 +348,10 @@ def measure_phases(kind, full_finetune, fsdp):
         return row
 
     def saved_census():
-        """One micro-batch's update forward without checkpointing, as update_peak(False) runs it: what autograd
-        saved for the backward per kind of node (saved_by_op), the bytes the forward left allocated, and the
-        backward's peak above them. On a GPU beside the same under fake CUDA, it says which tensors make the
-        difference between the two counts. {} if it does not fit."""
+        """One micro-batch's update forward without checkpointing, its inputs indexed as vgrpo.update indexes them:
+        what autograd saved for the backward per kind of node (saved_by_op), the bytes the forward left allocated,
+        and the backward's peak above them. On a GPU beside the same under fake CUDA, it says which tensors make the
+        difference between the two counts. {} if it does not fit; {"error": ...} if it fails (the rows stay)."""
         family.transformer.disable_gradient_checkpointing()
         batch = minibatch(args.micro_batch)
         resident = [*family.transformer.parameters(), *family.transformer.buffers(), o, *cond, sigmas,
@@ -358,12 +360,13 @@ def measure_phases(kind, full_finetune, fsdp):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         try:
-            s_new, _ = vgrpo.surrogate(family, model, batch["o"], batch["sigmas"], batch["eps"], batch["cond"],
-                                       args.weighting)
-            loss, _ = vgrpo.vgrpo_loss(s_new, s_new.detach(), batch["A"], args.clip_eps)
+            idx = torch.arange(args.micro_batch, device=device)
+            s_new, _ = vgrpo.surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
+                                       vgrpo.rows_of(batch["cond"], idx), args.weighting)
+            loss, _ = vgrpo.vgrpo_loss(s_new, s_new.detach(), batch["A"][idx], args.clip_eps)
             torch.cuda.synchronize()
             end_of_forward = torch.cuda.memory_allocated()
-            saved = saved_by_op(loss, resident)
+            saved = saved_by_op(loss, resident, device.type)
             torch.cuda.reset_peak_memory_stats()
             loss.backward()
             torch.cuda.synchronize()
@@ -371,6 +374,8 @@ def measure_phases(kind, full_finetune, fsdp):
                         backward_peak=torch.cuda.max_memory_allocated() - end_of_forward)
         except torch.cuda.OutOfMemoryError:
             return {}
+        except Exception as e:  # noqa: BLE001 - the census only explains the rows: they must not be lost with it
+            return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
         finally:
             del batch, resident
             optimizer.zero_grad(set_to_none=True)
@@ -500,7 +505,8 @@ def census_lines(columns, top=10):
                       census["forward"] - total for (_, census), total in zip(columns, saved)]),
                   row("the backward's peak above the forward's end", [
                       census["backward_peak"] for _, census in columns])]
-    return lines + [""]
+    errors = [f"{label}: the census failed: {census['error']}" for label, census in columns if "error" in census]
+    return lines + [""] + ([f"- {error}" for error in errors] + [""] if errors else [])
 
 
 def write_report(results, path):
@@ -520,8 +526,8 @@ def write_report(results, path):
              "allocated bytes on the resident state and on the LoRA update with and without checkpointing, within "
              "0.3% on full fine-tuning's update with checkpointing and 6% over it without, and 15% under on "
              "decoding 24 images in one pass (not explained without a GPU; cuDNN's convolution workspaces, which "
-             "torch's allocator holds and this count does not model, are the candidate). What the count of that "
-             "time missed (3-45%): bench/README.md, \"Checked against a GPU\".", "",
+             "torch's allocator holds and this count does not model, are the candidate). Why the GPU's count was "
+             "3-45% higher than this count of that time: bench/README.md, \"Checked against a GPU\".", "",
              "Under `--fsdp` the process is rank 0 of 8 with torch's fake process group (tests/fake_cuda.py, "
              "fake_processes): FSDP2's own all-gather and reduce-scatter buffers are allocated as on a GPU, and the "
              "collectives move no data. Its rows count the block being computed and the next one FSDP2 prefetches.",

@@ -337,7 +337,7 @@ def test_gpu_bench_quick_mode(tmp_path):
     assert data["matmul_tflops"] > 0                                       # the CPU's float32 rate, in quick mode
     on_gpu = gpu.report(measured, dict(data, gpu=True, device="NVIDIA H200", peak_tflops=989, gpus=8,
                                        matmul_tflops=791))
-    assert "NVIDIA H200 (dense bf16 peak 989 TFLOP/s; a 8192^3 bf16 matrix product ran at 791 here" in on_gpu
+    assert "NVIDIA H200 (dense bf16 peak 989 TFLOP/s; an 8192^3 bf16 matrix product ran at 791 TFLOP/s here" in on_gpu
     assert "SD3.5-M rollout 41% of peak, 51% of the matrix product's (target 40%: met); SD3.5-M update 29% of " \
            "peak, 36% of the matrix product's (target 30%: missed); FLUX.1-dev rollout 0% of peak" in on_gpu
     fastest = min(split["total"] for split in (measured[0]["split"], measured[0]["split_compiled"]) if split)
@@ -786,6 +786,7 @@ def test_the_saved_tensor_census_counts_each_storage_once_by_the_node_that_holds
     census = memory.saved_by_op(loss, exclude=[weight])
     assert census == {"SinBackward0": 1024, "ExpBackward0": 1024, "MulBackward0": 1024, "TwiceBackward": 64}
     assert memory.saved_by_op(loss)["MmBackward0"] == 16 * 32 * 4
+    assert memory.saved_by_op(loss, exclude=[weight], device_type="cuda") == {}     # all of it on the CPU here
 
     gib = 2 ** 30
     fake = dict(resident={"the VAE": gib, "none of these": 0}, saved={"MulBackward0": 3 * gib, "MmBackward0": 2 * gib,
@@ -804,6 +805,8 @@ def test_the_saved_tensor_census_counts_each_storage_once_by_the_node_that_holds
     # an update that did not fit (out of memory on the GPU): the resident parts alone
     lines = memory.census_lines([("fake CUDA", fake), ("GPU", dict(resident=gpu["resident"]))])
     assert lines[4:] == ["| resident: the VAE | 1.00 | 1.00 |", "| resident: none of these | 0.00 | 0.25 |", ""]
+    lines = memory.census_lines([("GPU", dict(resident=gpu["resident"], error="RuntimeError: CUDA error"))])
+    assert lines[-2:] == ["- GPU: the census failed: RuntimeError: CUDA error", ""]
     assert memory.census_lines([("fake CUDA", None)]) == []
 
 

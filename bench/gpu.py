@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import memory  # noqa: E402
 import vgrpo  # noqa: E402
+from memory import one_line  # noqa: E402
 
 # stabilityai/stable-diffusion-3.5-medium's transformer (2.24B) and black-forest-labs/FLUX.1-dev's (11.9B)
 SD3_CONFIG = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
@@ -114,15 +115,15 @@ def matmul_tflops(device, n=MATMUL_N, batches=5, per_batch=10):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=generator) for _ in range(2))
-    best = math.inf
-    for batch in range(batches + 1):   # the first batch is the warm-up
+    seconds = []
+    for _ in range(batches + 1):
         sync(device)
         t = time.perf_counter()
         for _ in range(per_batch):
             a @ b
         sync(device)
-        best = min(best, time.perf_counter() - t) if batch else best
-    return 2 * n ** 3 * per_batch / best / 1e12
+        seconds.append(time.perf_counter() - t)
+    return 2 * n ** 3 * per_batch / min(seconds[1:]) / 1e12   # the first batch was the warm-up
 
 
 def build_transformer(cls_name, config, device, dtype):
@@ -363,10 +364,6 @@ def measure_model(name, a, gpus, device, deadline, save):
     if "eager" not in a.modes:   # compiled only: its numbers are the phases'
         res["phases"], res["compiled"] = {**res["phases"], **(res["compiled"] or {})}, None
     return res
-
-
-def one_line(error):
-    return f"{type(error).__name__}: " + " ".join(str(error).split())[:300]
 
 
 @torch.no_grad()

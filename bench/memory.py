@@ -281,6 +281,16 @@ def saved_by_op(loss, exclude=(), device_type=None):
     return dict(by_op.most_common())
 
 
+def state_of(module):
+    """A module's weights and buffers."""
+    return [*module.parameters(), *module.buffers()]
+
+
+def one_line(error, limit=300):
+    """An exception as one line: its type and the first `limit` characters of its message."""
+    return f"{type(error).__name__}: " + " ".join(str(error).split())[:limit]
+
+
 def tensor_bytes(tensors):
     """Bytes this process holds: a DTensor (FSDP2's shard) counts its local part."""
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
@@ -354,7 +364,7 @@ def measure_phases(kind, full_finetune, fsdp):
         difference between the two counts. {} if it does not fit; {"error": ...} if it fails (the rows stay)."""
         family.transformer.disable_gradient_checkpointing()
         batch = minibatch(args.micro_batch)
-        resident = [*family.transformer.parameters(), *family.transformer.buffers(), o, *cond, sigmas,
+        resident = [*state_of(family.transformer), o, *cond, sigmas,
                     *(t for value in batch.values() for t in (value if isinstance(value, tuple) else (value,)))]
         gc.collect()
         torch.cuda.synchronize()
@@ -375,7 +385,7 @@ def measure_phases(kind, full_finetune, fsdp):
         except torch.cuda.OutOfMemoryError:
             return {}
         except Exception as e:  # noqa: BLE001 - the census only explains the rows: they must not be lost with it
-            return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+            return {"error": one_line(e, 200)}
         finally:
             del batch, resident
             optimizer.zero_grad(set_to_none=True)
@@ -393,10 +403,9 @@ def measure_phases(kind, full_finetune, fsdp):
         optimizer.zero_grad(set_to_none=True)
     n_weights = sum(p.numel() for p in family.transformer.parameters())
     gc.collect()
-    resident = {"the transformer's weights and buffers": tensor_bytes([*family.transformer.parameters(),
-                                                                       *family.transformer.buffers()]),
-                "the VAE": tensor_bytes([*family.pipe.vae.parameters(), *family.pipe.vae.buffers()]),
-                "the reward model": tensor_bytes([*reward_model.parameters(), *reward_model.buffers()]),
+    resident = {"the transformer's weights and buffers": tensor_bytes(state_of(family.transformer)),
+                "the VAE": tensor_bytes(state_of(family.pipe.vae)),
+                "the reward model": tensor_bytes(state_of(reward_model)),
                 "AdamW states": tensor_bytes(t for s in optimizer.state.values() for t in s.values()),
                 "the rollout's latents, conditioning and images": tensor_bytes([o, *cond, images])}
     resident["none of these"] = torch.cuda.memory_allocated() - sum(resident.values())

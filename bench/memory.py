@@ -17,8 +17,9 @@ gradient checkpointing's recomputation and every ODE step do.) Writes bench/resu
 Each phase is run the way an iteration runs it, with the recipe's batch settings (vgrpo.RECIPES, one process of
 8: P/8 prompt groups of G), and what the iteration keeps alive across phases (the weights, LoRA and AdamW states,
 the rollout's latents and conditioning, the decoded images) is resident in every measurement. The update is
-measured over one micro-batch and the optimizer step: further micro-batches of a step run one after another into
-the same gradient buffers, so they reach the same peak. Attention goes to the fused kernels a GPU picks
+measured over one micro-batch and the optimizer step, with AdamW's states already made, as in every update but a
+run's first: further micro-batches of a step run one after another into the same gradient buffers, so they reach
+the same peak. Attention goes to the fused kernels a GPU picks
 (flash attention for bf16 without a mask, else memory-efficient attention): without that, the CPU build's math
 path would materialise every attention matrix and double the estimate.
 
@@ -30,7 +31,9 @@ Where the bytes are (one process): the resident state by part (the transformer, 
 states, the rollout's tensors, and what none of them holds), and a census of the update without checkpointing:
 every tensor autograd saved for the backward, by kind of node (saved_by_op), beside what else the forward left
 allocated and the backward's rise. `--gpu` records the same on the GPU, and memory-gpu.md sets the two side by
-side, so a difference between the fake count and the GPU's is found where it is, not guessed.
+side, so a difference between the fake count and the GPU's is found where it is, not guessed. On the GPU it also
+finds, per op, the memory an op holds only while it runs (workspace_by_op: cuDNN's convolution workspaces,
+attention's scratch), which no tensor holds, for the VAE decode and the checkpointed update.
 
 Not counted (stated apart in the table): the CUDA context and the libraries' workspaces (cuBLAS, cuDNN), and the
 caching allocator's rounding and fragmentation (reserved minus allocated). The numbers are bytes of tensors, the
@@ -281,6 +284,54 @@ def saved_by_op(loss, exclude=(), device_type=None):
     return dict(by_op.most_common())
 
 
+def allocator_counters():
+    """What workspace_by_op reads around every op: (bytes allocated now, their peak since the last reset, reset the
+    peak), the caching allocator's on a GPU."""
+    import torch
+
+    return torch.cuda.memory_allocated, torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats
+
+
+def workspace_by_op(fn, device_type="cuda"):
+    """Runs fn() and finds the memory its ops hold only while they run: cuDNN's convolution workspaces, attention
+    kernels' scratch, cuBLAS's, the allocator's rounding. No tensor holds these bytes, so a count of tensors (fake
+    CUDA) misses them, while the caching allocator's peak includes them. For every op (a TorchDispatchMode, so
+    autograd's backward and checkpointing's recomputation included): its rise of the allocator's peak above the
+    bytes allocated before it, less the new storages it returned. -> {"peak": the allocator's peak over fn,
+    "peak_of_tensors": the most bytes allocated between two ops (what a count of tensors sees), "by_op": {op:
+    [its largest workspace, its inputs' shapes there]}, largest first}. Leaves the peak counter reset."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    allocated, max_allocated, reset_peak = allocator_counters()
+    found = {"peak": allocated(), "peak_of_tensors": allocated(), "by_op": {}}
+
+    def storages(tree):
+        return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tree_leaves(tree)
+                if isinstance(t, torch.Tensor) and t.device.type == device_type and t.layout == torch.strided}
+
+    class Workspaces(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            inputs = storages((args, kwargs))
+            before = allocated()
+            reset_peak()
+            out = func(*args, **(kwargs or {}))
+            peak, after = max_allocated(), allocated()
+            workspace = peak - before - sum(n for key, n in storages(out).items() if key not in inputs)
+            found["peak"] = max(found["peak"], peak)
+            found["peak_of_tensors"] = max(found["peak_of_tensors"], after)
+            if workspace > found["by_op"].get(str(func), [0])[0]:
+                shapes = [list(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+                found["by_op"][str(func)] = [workspace, " ".join("x".join(map(str, s)) for s in shapes[:3])]
+            return out
+
+    with Workspaces():
+        fn()
+    found["by_op"] = dict(sorted(found["by_op"].items(), key=lambda item: -item[1][0]))
+    return found
+
+
 def state_of(module):
     """A module's weights and buffers."""
     return [*module.parameters(), *module.buffers()]
@@ -393,14 +444,15 @@ def measure_phases(kind, full_finetune, fsdp):
             gc.collect()
             torch.cuda.empty_cache()
 
+    # AdamW's states first: every update but a run's first holds them through its forward and backward, while the
+    # first makes them only at its step, after the backward's peak (measured so, the LoRA rows lacked them). Made
+    # by a step of zero gradients: on a real GPU under the fake process group the all-gathered weights are never
+    # filled, and the non-finite gradient of an update would skip its step.
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     phases = [update_peak(True)]
-    if not optimizer.state:
-        # on a real GPU under the fake process group the all-gathered weights are never filled: a non-finite
-        # gradient makes update() skip its step, which would leave the AdamW states unmade (and uncounted)
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
     n_weights = sum(p.numel() for p in family.transformer.parameters())
     gc.collect()
     resident = {"the transformer's weights and buffers": tensor_bytes(state_of(family.transformer)),
@@ -445,7 +497,31 @@ def measure_phases(kind, full_finetune, fsdp):
     phases.insert(1, update_peak(False))
     if fsdp:
         return sizes + phases, args, None
-    return sizes + phases, args, dict(resident=resident, **(saved_census() if phases[1][1] is not None else {}))
+    census = dict(resident=resident, **(saved_census() if phases[1][1] is not None else {}))
+    if REAL_GPU:   # what the GPU holds beyond tensors in the two phases that can differ from fake CUDA's count
+        census["workspaces"] = {
+            f"VAE decode ({args.decode_batch} per pass)": workspaces(lambda: vgrpo.decode(family, o, args.decode_batch)),
+            "update, checkpointing on": workspaces(lambda: vgrpo.update(family, model, optimizer, params,
+                                                                         minibatch(args.micro_batch), one, 1))}
+    return sizes + phases, args, census
+
+
+def workspaces(fn):
+    """workspace_by_op(fn) after what earlier phases freed is released; {"error": ...} where it fails (the rows and
+    the rest of the census stay)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        return workspace_by_op(fn)
+    except Exception as e:  # noqa: BLE001 - out of memory included
+        return {"error": one_line(e, 200)}
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def math_gcd_micro_batch(args):
@@ -467,6 +543,8 @@ NOT_COUNTED = [
     "## Not in these numbers", "",
     "- The CUDA context, allocated at the first CUDA call: about 0.5-1 GiB on H100 / H200 class GPUs with CUDA 12 "
     "(driver, kernels of torch, cuBLAS / cuDNN handles; cuBLAS adds a workspace per stream, tens of MiB). "
+    "The workspaces the ops take from torch's allocator while they run (cuDNN's convolutions, attention's scratch) "
+    "are in a GPU's peaks and not in these: `--gpu` measures them per op (workspace_by_op). "
     "`python bench/memory.py --gpu` measures it: `torch.cuda.mem_get_info()`'s used memory after `torch.cuda.init()` "
     "minus `torch.cuda.memory_reserved()`.",
     "- The caching allocator's overhead: allocations are rounded up (512 B, and 2 MiB segments for large blocks) and "
@@ -515,7 +593,36 @@ def census_lines(columns, top=10):
                   row("the backward's peak above the forward's end", [
                       census["backward_peak"] for _, census in columns])]
     errors = [f"{label}: the census failed: {census['error']}" for label, census in columns if "error" in census]
-    return lines + [""] + ([f"- {error}" for error in errors] + [""] if errors else [])
+    return lines + [""] + ([f"- {error}" for error in errors] + [""] if errors else []) + workspace_lines(columns)
+
+
+def workspace_lines(columns, top=3):
+    """census_lines' part for the workspaces (measured on a GPU: workspace_by_op) of the phases where they were."""
+    phases = list(dict.fromkeys(phase for _, census in columns for phase in census.get("workspaces", {})))
+    if not phases:
+        return []
+
+    def cell(value):
+        return "-" if value is None else f"{value / GIB:.2f}"
+
+    lines = ["Memory the ops hold only while they run (`workspace_by_op`, GiB): per op, its rise of the allocator's "
+             "peak less the tensors it returned. A count of tensors (fake CUDA) has none; on a GPU, the phase's peak "
+             "less its peak between two ops is what they added to it.", "",
+             "| | " + " | ".join(label for label, _ in columns) + " |", "| --- |" + " ---: |" * len(columns)]
+    errors = []
+    for phase in phases:
+        found = [census.get("workspaces", {}).get(phase, {}) for _, census in columns]
+        errors += [f"{label}, {phase}: {f['error']}" for (label, _), f in zip(columns, found) if "error" in f]
+        lines += [f"| {phase}: the peak | " + " | ".join(cell(f.get("peak")) for f in found) + " |",
+                  f"| {phase}: the peak between two ops | " + " | ".join(cell(f.get("peak_of_tensors"))
+                                                                           for f in found) + " |"]
+        ops = sorted({op for f in found for op in f.get("by_op", {})},
+                     key=lambda op: -max(f.get("by_op", {}).get(op, [0])[0] for f in found))
+        for op in ops[:top]:
+            where = next(f["by_op"][op][1] for f in found if op in f.get("by_op", {}))
+            lines.append(f"| {phase}: the largest workspace of `{op}` (inputs {where}) | " + " | ".join(
+                cell(f["by_op"].get(op, [0])[0] if "by_op" in f else None) for f in found) + " |")
+    return lines + [""] + ([f"- the workspaces failed: {error}" for error in errors] + [""] if errors else [])
 
 
 def write_report(results, path):
@@ -531,12 +638,14 @@ def write_report(results, path):
              "same bytes (FLUX.1-dev and FLUX.2 [klein] LoRA, with and without --fsdp, three runs under different "
              "hash seeds).", "",
              "Checked against a GPU: an H200 (torch 2.11, `--gpu` at commit 7b882c0, in the project's GPU issue) "
-             "measured SD3.5-M's phases with the caching allocator's counters. This count is within 1% of its "
+             "measured SD3.5-M's phases with the caching allocator's counters. This count, made as that run made its "
+             "own (the checkpointed update then measured before AdamW's states existed), is within 1% of its "
              "allocated bytes on the resident state and on the LoRA update with and without checkpointing, within "
              "0.3% on full fine-tuning's update with checkpointing and 6% over it without, and 15% under on "
              "decoding 24 images in one pass (not explained without a GPU; cuDNN's convolution workspaces, which "
-             "torch's allocator holds and this count does not model, are the candidate). Why the GPU's count was "
-             "3-45% higher than this count of that time: bench/README.md, \"Checked against a GPU\".", "",
+             "torch's allocator holds and this count does not model, are the candidate: the next `--gpu` run "
+             "measures them per op). Why the GPU's count was 3-45% higher than this count of that time: "
+             "bench/README.md, \"Checked against a GPU\".", "",
              "Under `--fsdp` the process is rank 0 of 8 with torch's fake process group (tests/fake_cuda.py, "
              "fake_processes): FSDP2's own all-gather and reduce-scatter buffers are allocated as on a GPU, and the "
              "collectives move no data. Its rows count the block being computed and the next one FSDP2 prefetches.",

@@ -810,6 +810,54 @@ def test_the_saved_tensor_census_counts_each_storage_once_by_the_node_that_holds
     assert memory.census_lines([("fake CUDA", None)]) == []
 
 
+def test_the_workspace_census_is_each_ops_rise_of_the_peak_less_the_tensors_it_made(monkeypatch):
+    """bench/memory.py's workspace_by_op: per op, the allocator's rise of the peak above the bytes allocated before
+    it, less the new storages the op returned (a view and an in-place op return none; sort returns two), against
+    an allocator scripted here (CPU tensors: the arithmetic, not a GPU's sizes); and workspace_lines' table."""
+    import memory
+
+    base = 10_000                                    # bytes allocated before every op (nothing stays allocated)
+    rises = [4000 + 512, 0, 256, 4000 + 8000 + 1024]  # add, view, add_, sort: how far each op lifts the peak
+    peak, resets = [base], []
+
+    def reset_peak():   # workspace_by_op resets the peak just before each op: the script sets the op's rise there
+        resets.append(1)
+        peak[0] = base + rises[len(resets) - 1]
+
+    monkeypatch.setattr(memory, "allocator_counters", lambda: (lambda: base, lambda: peak[0], reset_peak))
+    x, y = torch.ones(1000), torch.ones(1000)          # float32: 4000 bytes each
+    found = memory.workspace_by_op(lambda: (torch.add(x, y), x.view(-1), x.add_(y), torch.sort(x)),
+                                   device_type="cpu")
+    assert len(resets) == 4                            # one per op: add, view, add_, sort (values and int64 indices)
+    assert found == {"peak": base + 13024, "peak_of_tensors": base,
+                     "by_op": {"aten.sort.default": [1024, "1000"], "aten.add.Tensor": [512, "1000 1000"],
+                               "aten.add_.Tensor": [256, "1000 1000"]}}
+    resets.clear()   # counting the GPU's tensors only, the CPU output of add leaves its whole rise a workspace
+    assert memory.workspace_by_op(lambda: torch.add(x, y), device_type="cuda")["by_op"] == {
+        "aten.add.Tensor": [4512, "1000 1000"]}
+
+    gib = 2 ** 30
+    decode = {"peak": 20 * gib, "peak_of_tensors": 17 * gib,
+              "by_op": {"aten.convolution.default": [3 * gib, "24x128x512x512 128x128x3x3 128"],
+                        "aten.mm.default": [gib // 4, "8x8 8x8"], "aten.add.Tensor": [gib // 8, "8 8"],
+                        "aten.mul.Tensor": [gib // 16, "8 8"]}}
+    lines = memory.workspace_lines([("fake CUDA", dict(resident={})),
+                                    ("GPU", dict(workspaces={"VAE decode (24 per pass)": decode,
+                                                             "update, checkpointing on": {"error": "OOM"}}))])
+    assert lines[2:] == [
+        "| | fake CUDA | GPU |", "| --- | ---: | ---: |",
+        "| VAE decode (24 per pass): the peak | - | 20.00 |",
+        "| VAE decode (24 per pass): the peak between two ops | - | 17.00 |",
+        "| VAE decode (24 per pass): the largest workspace of `aten.convolution.default` (inputs 24x128x512x512 "
+        "128x128x3x3 128) | - | 3.00 |",
+        "| VAE decode (24 per pass): the largest workspace of `aten.mm.default` (inputs 8x8 8x8) | - | 0.25 |",
+        "| VAE decode (24 per pass): the largest workspace of `aten.add.Tensor` (inputs 8 8) | - | 0.12 |",
+        "| update, checkpointing on: the peak | - | - |",
+        "| update, checkpointing on: the peak between two ops | - | - |", "",
+        "- the workspaces failed: GPU, update, checkpointing on: OOM", ""]
+    assert memory.workspace_lines([("fake CUDA", dict(resident={}))]) == []
+
+
 def test_the_guides_memory_table_is_the_one_the_results_give():
     """docs/guide.md's memory table is what `bench/memory.py --guide` makes of the committed results
     (results/memory.json, and memory-gpu.json once a GPU measured): it fails when one changes without the other.
@@ -830,6 +878,28 @@ def test_the_guides_memory_table_is_the_one_the_results_give():
     assert memory.fits_on(150.0, 15.0) == "none: use `--fsdp`" and memory.fits_on(None, None) == "none: use `--fsdp`"
     with pytest.raises(ValueError, match="run bench/memory.py --gpu again"):   # the format before the device's name
         memory.guide_table({}, {"sd3 LoRA r32": {"one": []}})
+
+
+def test_the_bench_readmes_memory_table_is_the_one_the_results_give():
+    """bench/README.md's memory table (GiB, one process and --fsdp over 8) is results/memory.json's rows, rounded:
+    it fails when the results are regenerated and the table is not."""
+    import memory
+
+    with open(os.path.join(memory.RESULTS, "memory.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(ROOT, "bench", "README.md")) as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| configuration | resident | update, ckpt on"))
+    columns = ["resident between phases", "update, checkpointing on", "update, checkpointing off", "old surrogate",
+               "rollout", "VAE decode", "reward"]
+    names = [name for name in results for _ in ("one", "fsdp")]
+    table = [line for line in lines[start + 2:] if line.startswith("|")][:len(names)]
+    assert len(table) == len(names) == 12
+    for line, name, key in zip(table, names, ["one", "fsdp"] * len(results)):
+        rows = {row[0]: row[1] for row in results[name][key] if "one per rollout pass" not in row[0]}
+        want = [next(value for phase, value in rows.items() if phase.startswith(column)) for column in columns]
+        cells = [cell.strip().strip("*") for cell in line.split("|")[2:-1]]
+        assert cells == [f"{value / 2 ** 30:.2f}" for value in want], (name, key)
 
 
 def test_the_device_script_fits_its_9_minutes_and_8_files():

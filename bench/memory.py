@@ -551,6 +551,8 @@ NOT_COUNTED = [
     "freed blocks stay reserved; `memory_reserved() - memory_allocated()` is typically 5-20% over a training "
     "iteration, more when many shapes alternate (rollout vs. update here). `--gpu` reports each phase's reservation.",
     "- Pinned host memory (the prompt-embedding store) and everything on the CPU (text encoders offloaded).",
+    "- `--ema` (off in every recipe): a float32 copy of the trained weights on the GPU, half the AdamW states row "
+    "(its shards under --fsdp), in every phase.",
     "- DDP's gradient buckets (several processes without --fsdp): vgrpo wraps with gradient_as_bucket_view, so the "
     "gradients are views into DDP's buckets, which stay allocated between steps instead of being freed by zero_grad. "
     "The update rows already hold the gradients; add the trained weights' float32 size (half the AdamW states row) "

@@ -543,10 +543,11 @@ NOT_COUNTED = [
     "## Not in these numbers", "",
     "- The CUDA context, allocated at the first CUDA call: about 0.5-1 GiB on H100 / H200 class GPUs with CUDA 12 "
     "(driver, kernels of torch, cuBLAS / cuDNN handles; cuBLAS adds a workspace per stream, tens of MiB). "
-    "The workspaces the ops take from torch's allocator while they run (cuDNN's convolutions, attention's scratch) "
-    "are in a GPU's peaks and not in these: `--gpu` measures them per op (workspace_by_op). "
     "`python bench/memory.py --gpu` measures it: `torch.cuda.mem_get_info()`'s used memory after `torch.cuda.init()` "
     "minus `torch.cuda.memory_reserved()`.",
+    "- The workspaces ops take from torch's allocator only while they run (cuDNN's convolutions, attention's "
+    "scratch): in a GPU's peaks, not in these. `--gpu` measures them per op (workspace_by_op) in the VAE decode and "
+    "the checkpointed update.",
     "- The caching allocator's overhead: allocations are rounded up (512 B, and 2 MiB segments for large blocks) and "
     "freed blocks stay reserved; `memory_reserved() - memory_allocated()` is typically 5-20% over a training "
     "iteration, more when many shapes alternate (rollout vs. update here). `--gpu` reports each phase's reservation.",

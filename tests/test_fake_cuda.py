@@ -186,8 +186,8 @@ def test_the_memory_benchmarks_gpu_mode_runs_and_its_table_reaches_the_guide(wor
     caching allocator's counters (a 141 GiB card, 0.5 GiB outside torch): it measures FLUX.2 [klein] LoRA in one
     process and under --fsdp, writes memory-gpu.md beside results/memory.json's fake-CUDA bytes and memory-gpu.json,
     with the census and the ops' workspaces (none here, where only tensors take memory); `--guide`'s table then takes
-    klein's figures from it and marks the other configurations' as fake CUDA. About 65 s on 2 cores (the workspace
-    pass about 15 of them)."""
+    klein's figures from it and marks the other configurations' as fake CUDA. About 70 s on 2 cores (the workspace
+    pass 13 of them)."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))

@@ -280,7 +280,10 @@ def report(results, meta):
     lines += [f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, {meta['date']}. Random weights at the "
               "real shapes, one prompt group per configuration; ratio: the largest |exp(s_update - s_old) - 1| at the "
               "first inner step (0: the update's first forward and the old-surrogate pass agree bit for bit); "
-              "held-out: the mean reward on 4 held-out prompts (digits: the accuracy of its last evaluation).", "",
+              "held-out: the mean reward on 4 held-out prompts (digits: the accuracy of its last evaluation); peak: "
+              "`max_memory_allocated` over this first iteration of one prompt group, where AdamW's states appear at "
+              "its first optimizer step (results/memory-gpu.md has each phase at the recipe's batch, the states "
+              "held throughout).", "",
               "| configuration | flags | px, steps, N_MC, inner steps | images | ratio at step 1 | policy loss | "
               "grad norm | held-out | peak GiB | build s | iteration s | compiled: frames, s | result |",
               "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

@@ -7,7 +7,7 @@ on every parameter, which fails on LoRA's frozen base, and refuses a module call
 gradient checkpointing's recomputation and every ODE step do.) Writes bench/results/memory.md.
 
     python bench/memory.py                 # all four models, LoRA and full fine-tuning, without and with --fsdp:
-                                           # about 10 min on 2 CPU cores -> results/memory.md and memory.json
+                                           # about 12 min on 2 CPU cores -> results/memory.md and memory.json
     python bench/memory.py --models sd3 --lora-only
     python bench/memory.py --gpu --time-limit 300   # on a GPU machine: the same code with the caching allocator's
                                            # own counters, beside memory.json's numbers -> results/memory-gpu.md
@@ -33,7 +33,7 @@ every tensor autograd saved for the backward, by kind of node (saved_by_op), bes
 allocated and the backward's rise. `--gpu` records the same on the GPU, and memory-gpu.md sets the two side by
 side, so a difference between the fake count and the GPU's is found where it is, not guessed. On the GPU it also
 finds, per op, the memory an op holds only while it runs (workspace_by_op: cuDNN's convolution workspaces,
-attention's scratch), which no tensor holds, for the VAE decode and the checkpointed update.
+attention's scratch), which no tensor holds, for the checkpointed update and the decode of a whole rollout pass.
 
 Not counted (stated apart in the table): the CUDA context and the libraries' workspaces (cuBLAS, cuDNN), and the
 caching allocator's rounding and fragmentation (reserved minus allocated). The numbers are bytes of tensors, the
@@ -285,45 +285,60 @@ def saved_by_op(loss, exclude=(), device_type=None):
 
 
 def allocator_counters():
-    """What workspace_by_op reads around every op: (bytes allocated now, their peak since the last reset, reset the
-    peak), the caching allocator's on a GPU."""
+    """What workspace_by_op reads around every op: (a function -> (bytes allocated now, their peak since the last
+    reset), a function resetting the peak), the caching allocator's on a GPU: one read of its nested statistics
+    (torch.cuda.max_memory_allocated would build and flatten them once per number)."""
     import torch
 
-    return torch.cuda.memory_allocated, torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats
+    def current_and_peak():
+        allocated = torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]
+        return allocated["current"], allocated["peak"]
+
+    return current_and_peak, torch.cuda.reset_peak_memory_stats
 
 
 def workspace_by_op(fn, device_type="cuda"):
     """Runs fn() and finds the memory its ops hold only while they run: cuDNN's convolution workspaces, attention
-    kernels' scratch, cuBLAS's, the allocator's rounding. No tensor holds these bytes, so a count of tensors (fake
-    CUDA) misses them, while the caching allocator's peak includes them. For every op (a TorchDispatchMode, so
-    autograd's backward and checkpointing's recomputation included): its rise of the allocator's peak above the
-    bytes allocated before it, less the new storages it returned. -> {"peak": the allocator's peak over fn,
-    "peak_of_tensors": the most bytes allocated between two ops (what a count of tensors sees), "by_op": {op:
-    [its largest workspace, its inputs' shapes there]}, largest first}. Leaves the peak counter reset."""
+    kernels' scratch, the allocator's rounding. No tensor holds these bytes, so a count of tensors (fake CUDA) misses
+    them, while the caching allocator's peak includes them. For every op (a TorchDispatchMode, so autograd's
+    backward and checkpointing's recomputation included): its rise of the allocator's peak above the bytes allocated
+    before it, less the bytes of the new storages it returned and of its inputs' storages' growth (an `out=`
+    tensor resized). -> {"peak": the allocator's peak over fn, "peak_between_ops": the most bytes allocated between
+    two ops (what a count of tensors sees), "by_op": {op: [its largest workspace, its inputs' shapes there]},
+    largest first}; the allocator's own peak counter is left at the last op's. Not for DTensors (FSDP), whose
+    storage is not what the op allocates."""
+    import threading
+
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    allocated, max_allocated, reset_peak = allocator_counters()
-    found = {"peak": allocated(), "peak_of_tensors": allocated(), "by_op": {}}
+    current_and_peak, reset_peak = allocator_counters()
+    now, _ = current_and_peak()
+    found = {"peak": now, "peak_between_ops": now, "by_op": {}}
+    one_op_at_a_time = threading.Lock()   # autograd may run CPU nodes beside the GPU's: one peak counter for both
 
     def storages(tree):
-        return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tree_leaves(tree)
+        return {t.untyped_storage()._cdata: t.untyped_storage() for t in tree_leaves(tree)
                 if isinstance(t, torch.Tensor) and t.device.type == device_type and t.layout == torch.strided}
 
     class Workspaces(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            inputs = storages((args, kwargs))
-            before = allocated()
-            reset_peak()
-            out = func(*args, **(kwargs or {}))
-            peak, after = max_allocated(), allocated()
-            workspace = peak - before - sum(n for key, n in storages(out).items() if key not in inputs)
-            found["peak"] = max(found["peak"], peak)
-            found["peak_of_tensors"] = max(found["peak_of_tensors"], after)
-            if workspace > found["by_op"].get(str(func), [0])[0]:
-                shapes = [list(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-                found["by_op"][str(func)] = [workspace, " ".join("x".join(map(str, s)) for s in shapes[:3])]
+            with one_op_at_a_time:
+                inputs = storages((args, kwargs))
+                sizes_before = {key: storage.nbytes() for key, storage in inputs.items()}
+                shapes = [list(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)][:3]
+                before, _ = current_and_peak()
+                reset_peak()
+                out = func(*args, **(kwargs or {}))
+                after, peak = current_and_peak()
+                made = sum(storage.nbytes() for key, storage in storages(out).items() if key not in inputs)
+                grown = sum(max(storage.nbytes() - sizes_before[key], 0) for key, storage in inputs.items())
+                workspace = peak - before - made - grown
+                found["peak"] = max(found["peak"], peak)
+                found["peak_between_ops"] = max(found["peak_between_ops"], after)
+                if workspace > found["by_op"].get(str(func), [0])[0]:
+                    found["by_op"][str(func)] = [workspace, " ".join("x".join(map(str, s)) for s in shapes)]
             return out
 
     with Workspaces():
@@ -445,9 +460,10 @@ def measure_phases(kind, full_finetune, fsdp):
             torch.cuda.empty_cache()
 
     # AdamW's states first: every update but a run's first holds them through its forward and backward, while the
-    # first makes them only at its step, after the backward's peak (measured so, the LoRA rows lacked them). Made
-    # by a step of zero gradients: on a real GPU under the fake process group the all-gathered weights are never
-    # filled, and the non-finite gradient of an update would skip its step.
+    # first makes them only at its step, after the backward's peak (measured so, the checkpointed rows lacked them,
+    # all of them where the peak comes before the step). Made by a step of zero gradients: on a real GPU under the
+    # fake process group the all-gathered weights are never filled, and the non-finite gradient of an update would
+    # skip its step.
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -487,8 +503,9 @@ def measure_phases(kind, full_finetune, fsdp):
         lambda: vgrpo.decode(family, o, args.decode_batch)),
         f"all {samples} latents of the rollout, {args.resolution} px; VAE "
         f"{tensor_bytes(family.pipe.vae.parameters()) / GIB:.2f} GiB"))
-    phases.append((f"VAE decode ({n} per pass, one per rollout pass)", *peak_bytes(
-        lambda: vgrpo.decode(family, o, n)), "for comparison: what --decode-batch avoids"))
+    decode_all = (f"VAE decode ({n} per pass, one per rollout pass)", *peak_bytes(
+        lambda: vgrpo.decode(family, o, n)), "for comparison: what --decode-batch avoids")
+    phases.append(decode_all)
     prompts = ["a photograph of a red fox in the snow"] * samples
     phases.append((f"reward: {REWARD_OF[kind]}", *peak_bytes(lambda: reward_fn(images, prompts)),
                    f"all {samples} images in one call, {tensor_bytes(reward_model.parameters()) / GIB:.2f} GiB of "
@@ -498,11 +515,14 @@ def measure_phases(kind, full_finetune, fsdp):
     if fsdp:
         return sizes + phases, args, None
     census = dict(resident=resident, **(saved_census() if phases[1][1] is not None else {}))
-    if REAL_GPU:   # what the GPU holds beyond tensors in the two phases that can differ from fake CUDA's count
-        census["workspaces"] = {
-            f"VAE decode ({args.decode_batch} per pass)": workspaces(lambda: vgrpo.decode(family, o, args.decode_batch)),
-            "update, checkpointing on": workspaces(lambda: vgrpo.update(family, model, optimizer, params,
-                                                                         minibatch(args.micro_batch), one, 1))}
+    if REAL_GPU:
+        # what the GPU holds beyond tensors where the recipe peaks (the checkpointed update) and where an H200 held 3
+        # GiB more than the fake count (decoding a whole rollout pass at once); not where the row ran out of memory
+        passes = {phases[0][0]: lambda: vgrpo.update(family, model, optimizer, params, minibatch(args.micro_batch),
+                                                     one, 1),
+                  decode_all[0]: lambda: vgrpo.decode(family, o, n)}
+        fits = {row[0] for row in phases if row[1] is not None}
+        census["workspaces"] = {phase: workspaces(fn) for phase, fn in passes.items() if phase in fits}
     return sizes + phases, args, census
 
 
@@ -546,8 +566,8 @@ NOT_COUNTED = [
     "`python bench/memory.py --gpu` measures it: `torch.cuda.mem_get_info()`'s used memory after `torch.cuda.init()` "
     "minus `torch.cuda.memory_reserved()`.",
     "- The workspaces ops take from torch's allocator only while they run (cuDNN's convolutions, attention's "
-    "scratch): in a GPU's peaks, not in these. `--gpu` measures them per op (workspace_by_op) in the VAE decode and "
-    "the checkpointed update.",
+    "scratch): in a GPU's peaks, not in these. `--gpu` measures them per op (workspace_by_op) in the checkpointed "
+    "update and the decode of a whole rollout pass.",
     "- The caching allocator's overhead: allocations are rounded up (512 B, and 2 MiB segments for large blocks) and "
     "freed blocks stay reserved; `memory_reserved() - memory_allocated()` is typically 5-20% over a training "
     "iteration, more when many shapes alternate (rollout vs. update here). `--gpu` reports each phase's reservation.",
@@ -605,8 +625,8 @@ def workspace_lines(columns, top=3):
     if not phases:
         return []
 
-    def cell(value):
-        return "-" if value is None else f"{value / GIB:.2f}"
+    def cell(value):   # "-": not measured in that column (gib's "OOM" means it did not fit)
+        return "-" if value is None else gib(value)
 
     lines = ["Memory the ops hold only while they run (`workspace_by_op`, GiB): per op, its rise of the allocator's "
              "peak less the tensors it returned. A count of tensors (fake CUDA) has none; on a GPU, the phase's peak "
@@ -617,7 +637,7 @@ def workspace_lines(columns, top=3):
         found = [census.get("workspaces", {}).get(phase, {}) for _, census in columns]
         errors += [f"{label}, {phase}: {f['error']}" for (label, _), f in zip(columns, found) if "error" in f]
         lines += [f"| {phase}: the peak | " + " | ".join(cell(f.get("peak")) for f in found) + " |",
-                  f"| {phase}: the peak between two ops | " + " | ".join(cell(f.get("peak_of_tensors"))
+                  f"| {phase}: the peak between two ops | " + " | ".join(cell(f.get("peak_between_ops"))
                                                                            for f in found) + " |"]
         ops = sorted({op for f in found for op in f.get("by_op", {})},
                      key=lambda op: -max(f.get("by_op", {}).get(op, [0])[0] for f in found))
@@ -641,8 +661,8 @@ def write_report(results, path):
              "same bytes (FLUX.1-dev and FLUX.2 [klein] LoRA, with and without --fsdp, three runs under different "
              "hash seeds).", "",
              "Checked against a GPU: an H200 (torch 2.11, `--gpu` at commit 7b882c0, in the project's GPU issue) "
-             "measured SD3.5-M's phases with the caching allocator's counters. This count, made as that run made its "
-             "own (the checkpointed update then measured before AdamW's states existed), is within 1% of its "
+             "measured SD3.5-M's phases with the caching allocator's counters. This count, taken in that run's order "
+             "(the checkpointed update before AdamW's states existed), is within 1% of its "
              "allocated bytes on the resident state and on the LoRA update with and without checkpointing, within "
              "0.3% on full fine-tuning's update with checkpointing and 6% over it without, and 15% under on "
              "decoding 24 images in one pass (not explained without a GPU; cuDNN's convolution workspaces, which "

@@ -812,32 +812,40 @@ def test_the_saved_tensor_census_counts_each_storage_once_by_the_node_that_holds
 
 def test_the_workspace_census_is_each_ops_rise_of_the_peak_less_the_tensors_it_made(monkeypatch):
     """bench/memory.py's workspace_by_op: per op, the allocator's rise of the peak above the bytes allocated before
-    it, less the new storages the op returned (a view and an in-place op return none; sort returns two), against
-    an allocator scripted here (CPU tensors: the arithmetic, not a GPU's sizes); and workspace_lines' table."""
+    it, less the new storages the op returned (a view and an in-place op return none; sort returns two) and the
+    growth of an `out=` tensor, the largest per op kept with its inputs' shapes, against an allocator scripted here
+    (CPU tensors: the arithmetic, not a GPU's sizes); and workspace_lines' table."""
     import memory
 
-    base = 10_000                                    # bytes allocated before every op (nothing stays allocated)
-    rises = [4000 + 512, 0, 256, 4000 + 8000 + 1024]  # add, view, add_, sort: how far each op lifts the peak
-    peak, resets = [base], []
+    base = 10_000                    # bytes allocated before fn
+    script = [(4512, 4000),          # torch.add(x, y): the peak rises 4512, the float32 sum keeps 4000: 512 of workspace
+              (0, 0),                # x.view(-1)
+              (256, 0),              # x.add_(y): in place, 256 of workspace
+              (13024, 12000),        # torch.sort(x): values 4000 + int64 indices 8000, 1024 of workspace
+              (2100, 2000),          # torch.add(a, b) of 500 each: 100, less than the first add's
+              (4064, 4000)]          # torch.add(x, y, out=z), z grown from 0 to 4000 bytes: 64
+    state = {"current": base, "peak": base, "ops": 0}
 
-    def reset_peak():   # workspace_by_op resets the peak just before each op: the script sets the op's rise there
-        resets.append(1)
-        peak[0] = base + rises[len(resets) - 1]
+    def reset_peak():   # workspace_by_op resets the peak just before each op: the script plays the op there
+        rise, kept = script[state["ops"]]
+        state["ops"] += 1
+        state["peak"] = state["current"] + rise   # the peak the op reaches
+        state["current"] += kept                  # and what it leaves allocated, read after it
 
-    monkeypatch.setattr(memory, "allocator_counters", lambda: (lambda: base, lambda: peak[0], reset_peak))
-    x, y = torch.ones(1000), torch.ones(1000)          # float32: 4000 bytes each
-    found = memory.workspace_by_op(lambda: (torch.add(x, y), x.view(-1), x.add_(y), torch.sort(x)),
-                                   device_type="cpu")
-    assert len(resets) == 4                            # one per op: add, view, add_, sort (values and int64 indices)
-    assert found == {"peak": base + 13024, "peak_of_tensors": base,
+    monkeypatch.setattr(memory, "allocator_counters", lambda: (lambda: (state["current"], state["peak"]), reset_peak))
+    x, y, a, b, z = torch.ones(1000), torch.ones(1000), torch.ones(500), torch.ones(500), torch.empty(0)
+    found = memory.workspace_by_op(lambda: (torch.add(x, y), x.view(-1), x.add_(y), torch.sort(x), torch.add(a, b),
+                                            torch.add(x, y, out=z)), device_type="cpu")
+    assert state["ops"] == len(script)   # one reset per op: no op of fn went unseen, none was seen twice
+    assert found == {"peak": base + 4000 + 12000 + 2000 + 4064, "peak_between_ops": base + 4000 + 12000 + 2000 + 4000,
                      "by_op": {"aten.sort.default": [1024, "1000"], "aten.add.Tensor": [512, "1000 1000"],
-                               "aten.add_.Tensor": [256, "1000 1000"]}}
-    resets.clear()   # counting the GPU's tensors only, the CPU output of add leaves its whole rise a workspace
+                               "aten.add_.Tensor": [256, "1000 1000"], "aten.add.out": [64, "1000 1000 0"]}}
+    state.update(current=base, ops=0)    # counting the GPU's tensors only, add's CPU output is all workspace
     assert memory.workspace_by_op(lambda: torch.add(x, y), device_type="cuda")["by_op"] == {
         "aten.add.Tensor": [4512, "1000 1000"]}
 
     gib = 2 ** 30
-    decode = {"peak": 20 * gib, "peak_of_tensors": 17 * gib,
+    decode = {"peak": 20 * gib, "peak_between_ops": 17 * gib,
               "by_op": {"aten.convolution.default": [3 * gib, "24x128x512x512 128x128x3x3 128"],
                         "aten.mm.default": [gib // 4, "8x8 8x8"], "aten.add.Tensor": [gib // 8, "8 8"],
                         "aten.mul.Tensor": [gib // 16, "8 8"]}}

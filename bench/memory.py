@@ -229,18 +229,26 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 # --------------------------------------------------------------------------- measuring
 
 
-def peak_bytes(fn):
-    """Peak bytes of CUDA tensors while fn() runs, what is resident before it included, from torch.cuda's own
-    counters: on a GPU the caching allocator's; under fake CUDA tests/fake_cuda.py's DeviceMemory answers them
-    (storages of fake CUDA tensors, counted until their last tensor dies). -> (allocated, reserved): reserved is
-    the allocator's peak reservation on a GPU (None under fake CUDA); (None, None) if it does not fit."""
+def release_freed():
+    """Collects Python's garbage and hands the caching allocator's free blocks back: what one measurement freed is
+    not the next one's reservation."""
     import gc
 
     import torch
 
     gc.collect()
+    torch.cuda.empty_cache()
+
+
+def peak_bytes(fn):
+    """Peak bytes of CUDA tensors while fn() runs, what is resident before it included, from torch.cuda's own
+    counters: on a GPU the caching allocator's; under fake CUDA tests/fake_cuda.py's DeviceMemory answers them
+    (storages of fake CUDA tensors, counted until their last tensor dies). -> (allocated, reserved): reserved is
+    the allocator's peak reservation on a GPU (None under fake CUDA); (None, None) if it does not fit."""
+    import torch
+
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # what earlier phases freed is not this phase's reservation
+    release_freed()
     torch.cuda.reset_peak_memory_stats()
     try:
         fn()
@@ -249,8 +257,7 @@ def peak_bytes(fn):
     except torch.cuda.OutOfMemoryError:
         return None, None
     finally:
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_freed()
 
 
 def saved_by_op(loss, exclude=(), device_type=None):
@@ -410,6 +417,9 @@ def measure_phases(kind, full_finetune, fsdp):
 
     one = dataclasses.replace(args, group_size=args.micro_batch, inner_steps=1)   # one micro-batch and the step
 
+    def one_update(batch):
+        return vgrpo.update(family, model, optimizer, params, batch, one, 1)
+
     def update_peak(checkpointing):
         if checkpointing:
             family.transformer.enable_gradient_checkpointing()
@@ -417,7 +427,7 @@ def measure_phases(kind, full_finetune, fsdp):
             family.transformer.disable_gradient_checkpointing()
         batch = minibatch(args.micro_batch)
         row = (f"update, checkpointing {'on' if checkpointing else 'off'}", *peak_bytes(
-            lambda: vgrpo.update(family, model, optimizer, params, batch, one, 1)),
+            lambda: one_update(batch)),
             f"{args.micro_batch} samples x {args.n_mc} pairs per forward, then fused AdamW")
         optimizer.zero_grad(set_to_none=True)  # what an update that ran out of memory left
         family.transformer.enable_gradient_checkpointing()
@@ -456,8 +466,7 @@ def measure_phases(kind, full_finetune, fsdp):
             del batch, resident
             optimizer.zero_grad(set_to_none=True)
             family.transformer.enable_gradient_checkpointing()
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_freed()
 
     # AdamW's states first: every update but a run's first holds them through its forward and backward, while the
     # first makes them only at its step, after the backward's peak (measured so, the checkpointed rows lacked them,
@@ -503,8 +512,11 @@ def measure_phases(kind, full_finetune, fsdp):
         lambda: vgrpo.decode(family, o, args.decode_batch)),
         f"all {samples} latents of the rollout, {args.resolution} px; VAE "
         f"{tensor_bytes(family.pipe.vae.parameters()) / GIB:.2f} GiB"))
-    decode_all = (f"VAE decode ({n} per pass, one per rollout pass)", *peak_bytes(
-        lambda: vgrpo.decode(family, o, n)), "for comparison: what --decode-batch avoids")
+    def decode_per_rollout_pass():
+        return vgrpo.decode(family, o, n)
+
+    decode_all = (f"VAE decode ({n} per pass, one per rollout pass)", *peak_bytes(decode_per_rollout_pass),
+                  "for comparison: what --decode-batch avoids")
     phases.append(decode_all)
     prompts = ["a photograph of a red fox in the snow"] * samples
     phases.append((f"reward: {REWARD_OF[kind]}", *peak_bytes(lambda: reward_fn(images, prompts)),
@@ -518,9 +530,8 @@ def measure_phases(kind, full_finetune, fsdp):
     if REAL_GPU:
         # what the GPU holds beyond tensors where the recipe peaks (the checkpointed update) and where an H200 held 3
         # GiB more than the fake count (decoding a whole rollout pass at once); not where the row ran out of memory
-        passes = {phases[0][0]: lambda: vgrpo.update(family, model, optimizer, params, minibatch(args.micro_batch),
-                                                     one, 1),
-                  decode_all[0]: lambda: vgrpo.decode(family, o, n)}
+        passes = {phases[0][0]: lambda: one_update(minibatch(args.micro_batch)),
+                  decode_all[0]: decode_per_rollout_pass}
         fits = {row[0] for row in phases if row[1] is not None}
         census["workspaces"] = {phase: workspaces(fn) for phase, fn in passes.items() if phase in fits}
     return sizes + phases, args, census
@@ -529,19 +540,13 @@ def measure_phases(kind, full_finetune, fsdp):
 def workspaces(fn):
     """workspace_by_op(fn) after what earlier phases freed is released; {"error": ...} where it fails (the rows and
     the rest of the census stay)."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_freed()
     try:
         return workspace_by_op(fn)
     except Exception as e:  # noqa: BLE001 - out of memory included
         return {"error": one_line(e, 200)}
     finally:
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_freed()
 
 
 def math_gcd_micro_batch(args):
@@ -584,6 +589,11 @@ NOT_COUNTED = [
     "forward holds for one micro-batch at a time: more than its row, less than the update's.", ""]
 
 
+def table_head(columns):
+    """The head of a table with one column per (label, census)."""
+    return ["| | " + " | ".join(label for label, _ in columns) + " |", "| --- |" + " ---: |" * len(columns)]
+
+
 def census_lines(columns, top=10):
     """Where one configuration's bytes are (measure's third result), one column per (label, census): the resident
     state's parts, then, where its update without checkpointing was measured in every column, the `top` kinds of
@@ -598,8 +608,7 @@ def census_lines(columns, top=10):
     lines = ["Where the bytes are, in one process (GiB): the resident state by part, and in the update without "
              "checkpointing (one micro-batch) the tensors autograd saved for the backward, by kind of node "
              "(`saved_by_op`; the weights and the batch, resident, left out), what else the forward left "
-             "allocated, and how far the backward rose above the forward's end.", "",
-             "| | " + " | ".join(label for label, _ in columns) + " |", "| --- |" + " ---: |" * len(columns)]
+             "allocated, and how far the backward rose above the forward's end.", "", *table_head(columns)]
     lines += [row(f"resident: {part}", [census["resident"].get(part) for _, census in columns])
               for part in columns[0][1]["resident"]]
     if all("saved" in census for _, census in columns):
@@ -630,8 +639,7 @@ def workspace_lines(columns, top=3):
 
     lines = ["Memory the ops hold only while they run (`workspace_by_op`, GiB): per op, its rise of the allocator's "
              "peak less the tensors it returned. A count of tensors (fake CUDA) has none; on a GPU, the phase's peak "
-             "less its peak between two ops is what they added to it.", "",
-             "| | " + " | ".join(label for label, _ in columns) + " |", "| --- |" + " ---: |" * len(columns)]
+             "less its peak between two ops is what they added to it.", "", *table_head(columns)]
     errors = []
     for phase in phases:
         found = [census.get("workspaces", {}).get(phase, {}) for _, census in columns]
@@ -660,14 +668,8 @@ def write_report(results, path):
              "the seconds of CPU on a 2-core machine that each section gives where it was timed. Runs give the "
              "same bytes (FLUX.1-dev and FLUX.2 [klein] LoRA, with and without --fsdp, three runs under different "
              "hash seeds).", "",
-             "Checked against a GPU: an H200 (torch 2.11, `--gpu` at commit 7b882c0, in the project's GPU issue) "
-             "measured SD3.5-M's phases with the caching allocator's counters. This count, taken in that run's order "
-             "(the checkpointed update before AdamW's states existed), is within 1% of its "
-             "allocated bytes on the resident state and on the LoRA update with and without checkpointing, within "
-             "0.3% on full fine-tuning's update with checkpointing and 6% over it without, and 15% under on "
-             "decoding 24 images in one pass (not explained without a GPU; cuDNN's convolution workspaces, which "
-             "torch's allocator holds and this count does not model, are the candidate: the next `--gpu` run "
-             "measures them per op). Why the GPU's count was 3-45% higher than this count of that time: "
+             "Checked against an H200's allocated bytes (SD3.5-M, in the project's GPU issue): within 1% on the "
+             "resident state and the LoRA update, the 24-image decode 15% under; row by row and why in "
              "bench/README.md, \"Checked against a GPU\".", "",
              "Under `--fsdp` the process is rank 0 of 8 with torch's fake process group (tests/fake_cuda.py, "
              "fake_processes): FSDP2's own all-gather and reduce-scatter buffers are allocated as on a GPU, and the "
@@ -826,16 +828,11 @@ def measure_one(kind, full_finetune, fsdp):
 
 def measure_on_gpu(kind, full_finetune, fsdp):
     """One configuration on this machine's GPU; its weights are freed before the next one starts."""
-    import gc
-
-    import torch
-
     try:
         rows, args, census = measure(kind, full_finetune, fsdp)
         return rows, describe_settings(args), census
     finally:
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_freed()
 
 
 def config_name(kind, full):

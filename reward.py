@@ -1211,6 +1211,7 @@ def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, con
     is the share of the last batch's answers without a score (logged as reward_unifiedreward_unparsed); the first
     such answer is printed once."""
     import sys
+    import threading
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
     model = model or served_model(base, retries=retries, backoff=backoff)
@@ -1220,18 +1221,28 @@ def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, con
     print(f"vgrpo: unifiedreward: {model} at {base}, the {kind} judges' instruction", file=sys.stderr, flush=True)
     warned = []
 
-    def ask(image, prompt):
-        body = unifiedreward_request(image, prompt, model, kind, max_tokens)
-        answer = post_json(f"{base}/chat/completions", body, "unifiedreward server", timeout, retries, backoff,
-                           openai_headers())
+    def ask(image, prompt, failed):
+        # a worker takes the next queued request the moment its own fails, before the pool can be cancelled: the
+        # flag, set by the failing worker itself, is what keeps that request from being sent
+        if failed.is_set():
+            return None
         try:
-            return answer["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError):
-            raise RewardError(f"unifiedreward at {base} answered no chat completion: {str(answer)[:200]}") from None
+            body = unifiedreward_request(image, prompt, model, kind, max_tokens)
+            answer = post_json(f"{base}/chat/completions", body, "unifiedreward server", timeout, retries, backoff,
+                               openai_headers())
+            try:
+                return answer["choices"][0]["message"]["content"]
+            except (KeyError, IndexError, TypeError):
+                raise RewardError(f"unifiedreward at {base} answered no chat completion: {str(answer)[:200]}") \
+                    from None
+        except BaseException:
+            failed.set()
+            raise
 
     def fn(images, prompts):
+        failed = threading.Event()
         pool = ThreadPoolExecutor(max(1, min(concurrency, len(prompts))))
-        futures = [pool.submit(ask, image, p) for image, p in zip(to_uint8_images(images), prompts)]
+        futures = [pool.submit(ask, image, p, failed) for image, p in zip(to_uint8_images(images), prompts)]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         pool.shutdown(wait=False, cancel_futures=True)   # after a failure, nothing more is sent
         failed = [f.exception() for f in done if f.exception() is not None]

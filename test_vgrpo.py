@@ -797,8 +797,10 @@ def nan_on_rank_1_at_call_2(images, prompts):
 
 
 def brightness_noting_pid(images, prompts):
-    with open(os.path.join(HERE, f"pid-{os.environ['RANK']}"), "w") as f:   # the test signals one worker
+    path = os.path.join(HERE, f"pid-{os.environ['RANK']}")   # the test signals one worker
+    with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)                          # whole: the test may read it at any moment
     return brightness(images, prompts)
 
 

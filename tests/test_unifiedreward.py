@@ -154,12 +154,14 @@ def test_each_image_is_one_chat_request_as_the_peers_send_it(monkeypatch):
 
 def test_requests_run_concurrently_up_to_the_limit():
     answers = {str(i): "Final Score: 3" for i in range(8)}
-    with ChatServer(answers, delay=0.3) as server:
+    # each request's PNG takes ~0.1 s to encode on a loaded 2-core machine, holding the GIL: a round of 4 reaches the
+    # server over ~0.3 s, so each answer takes 1 s for the 4 to be seen at once
+    with ChatServer(answers, delay=1.0) as server:
         t0 = time.time()
         fn = reward.load_reward(f"unifiedreward@{server.base}?model=judge&concurrency=4")
         fn(_images(8), list(map(str, range(8))))
-        assert server.most_active == 4                       # 8 requests, 4 at a time: two rounds of 0.3 s
-        assert time.time() - t0 >= 0.6
+        assert server.most_active == 4                       # 8 requests, 4 at a time: two rounds of 1 s
+        assert time.time() - t0 >= 2.0
 
 
 def test_the_judges_instruction_follows_the_model_id_or_the_spec(capsys):
@@ -186,7 +188,7 @@ def test_the_first_refusal_fails_the_batch_without_sending_the_rest():
             fn(images, list(map(str, range(8))))
         assert time.time() - t0 < 2.5                        # not the 4 rounds the batch would take
         time.sleep(1.5)
-        assert len(server.bodies) == 2                       # the refused one and the one beside it: nothing after
+        assert len(server.bodies) <= 2                       # the refused one and the one beside it: nothing after
 
 
 def test_busy_answers_are_retried_and_refusals_are_one_line():

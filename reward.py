@@ -1221,10 +1221,8 @@ def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, con
     print(f"vgrpo: unifiedreward: {model} at {base}, the {kind} judges' instruction", file=sys.stderr, flush=True)
     warned = []
 
-    def ask(image, prompt, failed):
-        # a worker takes the next queued request the moment its own fails, before the pool can be cancelled: the
-        # flag, set by the failing worker itself, is what keeps that request from being sent
-        if failed.is_set():
+    def ask(image, prompt, batch_failed):
+        if batch_failed.is_set():   # another request of this batch failed for good: send nothing more
             return None
         try:
             body = unifiedreward_request(image, prompt, model, kind, max_tokens)
@@ -1236,18 +1234,20 @@ def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, con
                 raise RewardError(f"unifiedreward at {base} answered no chat completion: {str(answer)[:200]}") \
                     from None
         except BaseException:
-            failed.set()
+            # set here, by the failing worker: its thread takes the next queued request at once, before the pool
+            # can be cancelled
+            batch_failed.set()
             raise
 
     def fn(images, prompts):
-        failed = threading.Event()
+        batch_failed = threading.Event()
         pool = ThreadPoolExecutor(max(1, min(concurrency, len(prompts))))
-        futures = [pool.submit(ask, image, p, failed) for image, p in zip(to_uint8_images(images), prompts)]
+        futures = [pool.submit(ask, image, p, batch_failed) for image, p in zip(to_uint8_images(images), prompts)]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        pool.shutdown(wait=False, cancel_futures=True)   # after a failure, nothing more is sent
-        failed = [f.exception() for f in done if f.exception() is not None]
-        if failed:
-            raise failed[0]
+        pool.shutdown(wait=False, cancel_futures=True)
+        errors = [f.exception() for f in done if f.exception() is not None]
+        if errors:
+            raise errors[0]
         answers = [f.result() for f in futures]
         scores = [unifiedreward_score(a) for a in answers]
         missing = [a for a, s in zip(answers, scores) if s is None]

@@ -79,7 +79,8 @@ def _images(n=4, side=16):
 
 class ChatServer:
     """An OpenAI-compatible chat server on localhost that records each request body. `answers` maps the caption in
-    the text to the answer; `fail_first` requests get HTTP `fail_code` at once; answers take `delay` seconds."""
+    the text to the answer (or to a whole payload); `fail_first` requests get HTTP `fail_code` at once; answers take
+    `delay` seconds."""
 
     def __init__(self, answers, fail_first=0, fail_code=503, delay=0.0, models=("judge",)):
         self.bodies, self.active, self.most_active, self.lock = [], 0, 0, threading.Lock()
@@ -110,7 +111,9 @@ class ChatServer:
                 if failing:
                     return self._send(fail_code, {"error": "busy" if fail_code >= 500 else "no such model"})
                 caption = re.search(r"Text Caption: \[(.*)\]$", body["messages"][0]["content"][1]["text"]).group(1)
-                self._send(200, {"choices": [{"message": {"role": "assistant", "content": answers[caption]}}]})
+                answer = answers[caption]   # a dict is the whole payload
+                self._send(200, answer if isinstance(answer, dict) else
+                           {"choices": [{"message": {"role": "assistant", "content": answer}}]})
 
             def log_message(self, *args):
                 pass
@@ -209,6 +212,14 @@ def test_busy_answers_are_retried_and_refusals_are_one_line():
     with ChatServer({}, models=("a", "b")) as server:
         with pytest.raises(reward.RewardError, match=r"lists 2 models \(a, b\); name one with \?model=ID"):
             reward.load_reward(f"unifiedreward@{server.base}")
+
+
+def test_a_payload_without_a_chat_completion_is_named():
+    with ChatServer({"a": {"error": "model is loading"}, "b": {"choices": []}}) as server:
+        fn = reward.unifiedreward_reward(server.base, model="judge", retries=0)
+        for caption, payload in (("a", "{'error': 'model is loading'}"), ("b", "{'choices': []}")):
+            with pytest.raises(reward.RewardError, match=re.escape(f"answered no chat completion: {payload}")):
+                fn(_images(1), [caption])
 
 
 def test_a_server_that_is_down_is_named():

@@ -1202,6 +1202,35 @@ def unifiedreward_request(image, prompt, model, kind, max_tokens):
             "max_tokens": max_tokens}
 
 
+def map_failing_fast(fn, items, concurrency):
+    """[fn(*item) for item in items], `concurrency` calls at a time. The first call to raise fails the whole map at
+    once, and no call is started after it."""
+    import threading
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    failed = threading.Event()
+
+    def call(item):
+        if failed.is_set():
+            return None
+        try:
+            return fn(*item)
+        except BaseException:
+            # set by the failing worker itself: its thread takes the next queued item at once, before the pool can
+            # be cancelled
+            failed.set()
+            raise
+
+    pool = ThreadPoolExecutor(max(1, min(concurrency, len(items))))
+    futures = [pool.submit(call, item) for item in items]
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    pool.shutdown(wait=False, cancel_futures=True)
+    errors = [f.exception() for f in done if f.exception() is not None]
+    if errors:
+        raise errors[0]
+    return [f.result() for f in futures]
+
+
 def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, concurrency=16, timeout=300.0, retries=3,
                          backoff=2.0):
     """UnifiedReward on an OpenAI-compatible server at `base` (..../v1): one chat request per image, `concurrency`
@@ -1211,8 +1240,6 @@ def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, con
     is the share of the last batch's answers without a score (logged as reward_unifiedreward_unparsed); the first
     such answer is printed once."""
     import sys
-    import threading
-    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
     model = model or served_model(base, retries=retries, backoff=backoff)
     kind = instruction or ("qwen" if "qwen" in model.lower() else "llava")
@@ -1221,34 +1248,17 @@ def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, con
     print(f"vgrpo: unifiedreward: {model} at {base}, the {kind} judges' instruction", file=sys.stderr, flush=True)
     warned = []
 
-    def ask(image, prompt, batch_failed):
-        if batch_failed.is_set():   # another request of this batch failed for good: send nothing more
-            return None
+    def ask(image, prompt):
+        body = unifiedreward_request(image, prompt, model, kind, max_tokens)
+        answer = post_json(f"{base}/chat/completions", body, "unifiedreward server", timeout, retries, backoff,
+                           openai_headers())
         try:
-            body = unifiedreward_request(image, prompt, model, kind, max_tokens)
-            answer = post_json(f"{base}/chat/completions", body, "unifiedreward server", timeout, retries, backoff,
-                               openai_headers())
-            try:
-                return answer["choices"][0]["message"]["content"]
-            except (KeyError, IndexError, TypeError):
-                raise RewardError(f"unifiedreward at {base} answered no chat completion: {str(answer)[:200]}") \
-                    from None
-        except BaseException:
-            # set here, by the failing worker: its thread takes the next queued request at once, before the pool
-            # can be cancelled
-            batch_failed.set()
-            raise
+            return answer["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            raise RewardError(f"unifiedreward at {base} answered no chat completion: {str(answer)[:200]}") from None
 
     def fn(images, prompts):
-        batch_failed = threading.Event()
-        pool = ThreadPoolExecutor(max(1, min(concurrency, len(prompts))))
-        futures = [pool.submit(ask, image, p, batch_failed) for image, p in zip(to_uint8_images(images), prompts)]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        pool.shutdown(wait=False, cancel_futures=True)
-        errors = [f.exception() for f in done if f.exception() is not None]
-        if errors:
-            raise errors[0]
-        answers = [f.result() for f in futures]
+        answers = map_failing_fast(ask, list(zip(to_uint8_images(images), prompts)), concurrency)
         scores = [unifiedreward_score(a) for a in answers]
         missing = [a for a, s in zip(answers, scores) if s is None]
         if missing and not warned:

@@ -179,6 +179,28 @@ def test_the_judges_instruction_follows_the_model_id_or_the_spec(capsys):
             reward.load_reward(f"unifiedreward@{server.base}?instruction=plain")
 
 
+def test_calls_run_in_order_and_none_starts_after_the_first_failure():
+    def slow_square(i):
+        time.sleep(0.01 * (5 - i))                                    # the later calls end first
+        return i * i
+
+    assert reward.map_failing_fast(slow_square, [(i,) for i in range(6)], concurrency=3) == [0, 1, 4, 9, 16, 25]
+    calls = []
+
+    def failing_at_1(i):
+        calls.append(i)
+        if i == 1:
+            raise ValueError("call 1 failed")
+        return i
+
+    for _ in range(20):   # one worker: the cancelled pool alone let it start call 2 almost every time
+        calls.clear()
+        with pytest.raises(ValueError, match="call 1 failed"):
+            reward.map_failing_fast(failing_at_1, [(i,) for i in range(6)], concurrency=1)
+        time.sleep(0.01)
+        assert calls == [0, 1]
+
+
 def test_the_first_refusal_fails_the_batch_without_sending_the_rest():
     answers = {str(i): "Final Score: 3" for i in range(8)}
     # two at a time; the refusal comes at once while the request beside it takes 1 s to answer, so the refused

@@ -245,6 +245,7 @@ def test_headline_ratios_by_hand():
     assert "| **V-GRPO** | 0.350 | +0.025 | +0.050 | +0.025 |" in table
 
 
+@pytest.mark.slow
 def test_run_quick_writes_every_result(tmp_path):
     out = tmp_path / "bench"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--out", str(out)],

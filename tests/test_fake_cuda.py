@@ -167,6 +167,7 @@ def test_the_tier_skips_with_one_line_where_the_library_cannot_be_built(tmp_path
     assert "\n" not in why and len(why) < 300 and why.split(": ", 1)[1].strip()
 
 
+@pytest.mark.slow
 def test_syncs_and_copies_do_not_grow_with_micro_batches_or_ode_steps(worker, tmp_path):
     """At the SD3.5-M stand-in's shape (LoRA, bf16, checkpointing, PickScore): 16 samples per iteration in 1, 4 or
     16 micro-batches, with 4 or 8 ODE steps: the same device-to-host syncs and host-to-device copies."""
@@ -181,6 +182,7 @@ def test_syncs_and_copies_do_not_grow_with_micro_batches_or_ode_steps(worker, tm
         assert other["counts"] == first["counts"], (variant, other["where"], first["where"])
 
 
+@pytest.mark.slow
 def test_the_memory_benchmarks_gpu_mode_runs_and_its_table_reaches_the_guide(worker, tmp_path):
     """bench/memory.py --gpu, as bench/device.sh runs it on a GPU machine, with fake CUDA's byte count answering the
     caching allocator's counters (a 141 GiB card, 0.5 GiB outside torch): it measures FLUX.2 [klein] LoRA in one

@@ -512,12 +512,13 @@ def measure_phases(kind, full_finetune, fsdp):
         lambda: vgrpo.decode(family, o, args.decode_batch)),
         f"all {samples} latents of the rollout, {args.resolution} px; VAE "
         f"{tensor_bytes(family.pipe.vae.parameters()) / GIB:.2f} GiB"))
+
     def decode_per_rollout_pass():
         return vgrpo.decode(family, o, n)
 
-    decode_all = (f"VAE decode ({n} per pass, one per rollout pass)", *peak_bytes(decode_per_rollout_pass),
-                  "for comparison: what --decode-batch avoids")
-    phases.append(decode_all)
+    whole_pass_decode_row = (f"VAE decode ({n} per pass, one per rollout pass)",
+                             *peak_bytes(decode_per_rollout_pass), "for comparison: what --decode-batch avoids")
+    phases.append(whole_pass_decode_row)
     prompts = ["a photograph of a red fox in the snow"] * samples
     phases.append((f"reward: {REWARD_OF[kind]}", *peak_bytes(lambda: reward_fn(images, prompts)),
                    f"all {samples} images in one call, {tensor_bytes(reward_model.parameters()) / GIB:.2f} GiB of "
@@ -531,7 +532,7 @@ def measure_phases(kind, full_finetune, fsdp):
         # what the GPU holds beyond tensors where the recipe peaks (the checkpointed update) and where an H200 held 3
         # GiB more than the fake count (decoding a whole rollout pass at once); not where the row ran out of memory
         passes = {phases[0][0]: lambda: one_update(minibatch(args.micro_batch)),
-                  decode_all[0]: decode_per_rollout_pass}
+                  whole_pass_decode_row[0]: decode_per_rollout_pass}
         fits = {row[0] for row in phases if row[1] is not None}
         census["workspaces"] = {phase: workspaces(fn) for phase, fn in passes.items() if phase in fits}
     return sizes + phases, args, census

@@ -193,7 +193,7 @@ def test_calls_run_in_order_and_none_starts_after_the_first_failure():
             raise ValueError("call 1 failed")
         return i
 
-    for _ in range(20):   # one worker: the cancelled pool alone let it start call 2 almost every time
+    for _ in range(20):   # one worker: the cancelled pool alone let it start every queued call
         calls.clear()
         with pytest.raises(ValueError, match="call 1 failed"):
             reward.map_failing_fast(failing_at_1, [(i,) for i in range(6)], concurrency=1)

@@ -13,7 +13,8 @@
 # gpu.md, gpu.json, device.txt, device.log (this script's whole output). Back here, with memory-gpu.json in
 # bench/results/: `python bench/memory.py --guide` writes docs/guide.md's memory table from the GPU's figures.
 #
-#   bash bench/device.sh
+#   bash bench/device.sh                 all three parts (about 9 minutes)
+#   bash bench/device.sh memory gpu      only the parts named: a rerun after a fix fits what a session has left
 #
 # A machine whose Python lacks diffusers or has an older transformers / peft than requirements.txt asks for: put
 # their wheels in .whl/ (ignored by git) and they are installed into /tmp/site first, e.g. on a machine with pip
@@ -24,6 +25,13 @@
 # (about 21 MB; an H200 machine of this project had torch 2.11.0+cu130 and transformers 5.17, no diffusers.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+parts=" ${*:-smoke memory gpu} "
+for part in $parts; do
+    case $part in
+        smoke | memory | gpu) ;;
+        *) echo "bench/device.sh: no part '$part' (the parts: smoke, memory, gpu)" >&2; exit 2 ;;
+    esac
+done
 out=${OUT:-bench/results}
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -38,12 +46,18 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffu
       'transformers', transformers.__version__, 'peft', peft.__version__)"
 } 2>&1 | tee "$out/device.txt"
 {
-    # each configuration compiles its blocks (--compile auto on CUDA) within its own --timeout
-    timeout 235 python3 bench/smoke.py --timeout 100 --budget 220 --out "$out/smoke-gpu.md"
-    echo "bench/smoke.py: exit $?"
-    timeout 165 python3 bench/memory.py --gpu --time-limit 105 --out "$out/memory-gpu.md"
-    echo "bench/memory.py --gpu: exit $?"
-    # the kernel probe first (about 15 s of the 95), then the models until --time-limit
-    timeout 140 python3 bench/gpu.py --kernels --time-limit 95 --repeats 1 --profile --out "$out/gpu.md"
-    echo "bench/gpu.py: exit $?"
+    if [[ $parts == *" smoke "* ]]; then
+        # each configuration compiles its blocks (--compile auto on CUDA) within its own --timeout
+        timeout 235 python3 bench/smoke.py --timeout 100 --budget 220 --out "$out/smoke-gpu.md"
+        echo "bench/smoke.py: exit $?"
+    fi
+    if [[ $parts == *" memory "* ]]; then
+        timeout 165 python3 bench/memory.py --gpu --time-limit 105 --out "$out/memory-gpu.md"
+        echo "bench/memory.py --gpu: exit $?"
+    fi
+    if [[ $parts == *" gpu "* ]]; then
+        # the kernel probe first (about 15 s of the 95), then the models until --time-limit
+        timeout 140 python3 bench/gpu.py --kernels --time-limit 95 --repeats 1 --profile --out "$out/gpu.md"
+        echo "bench/gpu.py: exit $?"
+    fi
 } 2>&1 | tee "$out/device.log"

@@ -922,3 +922,33 @@ def test_the_device_script_fits_its_9_minutes_and_8_files():
     written |= {os.path.splitext(f)[0] + ".json" for f in written if f.endswith(".md")}   # each .md's JSON beside it
     assert len(written) <= 8, written
     assert subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "device.sh")]).returncode == 0
+
+
+@pytest.mark.parametrize("parts, ran", [((), ["smoke", "memory", "gpu"]), (("gpu", "memory"), ["memory", "gpu"])])
+def test_the_device_script_runs_the_parts_named_and_refuses_others(tmp_path, parts, ran):
+    """bench/device.sh runs all three parts, or only those named (a rerun in what a session has left of its GPU
+    minutes), each's exit status logged; an unknown part stops it before anything runs. The GPU's programs are
+    stand-ins here that log their command lines: what is under test is the script's choice of what to run."""
+    import shutil
+
+    os.makedirs(tmp_path / "repo" / "bench")
+    shutil.copy(os.path.join(ROOT, "bench", "device.sh"), tmp_path / "repo" / "bench")
+    (tmp_path / "bin").mkdir()
+    stand_ins = {"python3": 'echo "$*" | tr "\\n" " " >> "$CALLS"; echo >> "$CALLS"',   # one line per call
+                 "nvidia-smi": "echo 'NVIDIA H200, 143771 MiB'"}
+    for name, body in stand_ins.items():
+        (tmp_path / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / "bin" / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               CALLS=str(tmp_path / "calls"))
+    script = str(tmp_path / "repo" / "bench" / "device.sh")
+    assert subprocess.run(["bash", script, *parts], env=env).returncode == 0
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0].startswith("-c import torch")   # the version line
+    assert [call.split()[0] for call in calls[1:]] == [f"bench/{part}.py" for part in ran]
+    log = (tmp_path / "out" / "device.log").read_text()
+    assert log.count(": exit 0") == len(ran)
+    assert "NVIDIA H200" in (tmp_path / "out" / "device.txt").read_text()
+    refused = subprocess.run(["bash", script, "memory", "gpus"], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "no part 'gpus'" in refused.stderr
+    assert len((tmp_path / "calls").read_text().splitlines()) == len(calls)   # nothing more ran

@@ -15,6 +15,7 @@
 #
 #   bash bench/device.sh                 all three parts (about 9 minutes)
 #   bash bench/device.sh memory gpu      only the parts named: a rerun after a fix fits what a session has left
+#   SMOKE_ONLY=sd3-full,flux-lora-fsdp bash bench/device.sh smoke     the smoke run's configurations named (--only)
 #
 # A machine whose Python lacks diffusers or has an older transformers / peft than requirements.txt asks for: put
 # their wheels in .whl/ (ignored by git) and they are installed into /tmp/site first, e.g. on a machine with pip
@@ -48,7 +49,8 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffu
 {
     if [[ $parts == *" smoke "* ]]; then
         # each configuration compiles its blocks (--compile auto on CUDA) within its own --timeout
-        timeout 235 python3 bench/smoke.py --timeout 100 --budget 220 --out "$out/smoke-gpu.md"
+        timeout 235 python3 bench/smoke.py --timeout 100 --budget 220 ${SMOKE_ONLY:+--only "$SMOKE_ONLY"} \
+            --out "$out/smoke-gpu.md"
         echo "bench/smoke.py: exit $?"
     fi
     if [[ $parts == *" memory "* ]]; then

@@ -927,8 +927,9 @@ def test_the_device_script_fits_its_9_minutes_and_8_files():
 @pytest.mark.parametrize("parts, ran", [((), ["smoke", "memory", "gpu"]), (("gpu", "memory"), ["memory", "gpu"])])
 def test_the_device_script_runs_the_parts_named_and_refuses_others(tmp_path, parts, ran):
     """bench/device.sh runs all three parts, or only those named (a rerun in what a session has left of its GPU
-    minutes), each's exit status logged; an unknown part stops it before anything runs. The GPU's programs are
-    stand-ins here that log their command lines: what is under test is the script's choice of what to run."""
+    minutes), each's exit status logged, SMOKE_ONLY's configurations passed to the smoke run as --only; an unknown
+    part stops it before anything runs. The GPU's programs are stand-ins here that log their command lines: what is
+    under test is the script's choice of what to run."""
     import shutil
 
     os.makedirs(tmp_path / "repo" / "bench")
@@ -949,6 +950,12 @@ def test_the_device_script_runs_the_parts_named_and_refuses_others(tmp_path, par
     log = (tmp_path / "out" / "device.log").read_text()
     assert log.count(": exit 0") == len(ran)
     assert "NVIDIA H200" in (tmp_path / "out" / "device.txt").read_text()
+    assert "--only" not in " ".join(calls)   # every configuration of the smoke run
+    (tmp_path / "calls").unlink()
+    assert subprocess.run(["bash", script, "smoke"], env=dict(env, SMOKE_ONLY="sd3-full,digits")).returncode == 0
+    smoke = (tmp_path / "calls").read_text().splitlines()[1].split()
+    assert smoke[smoke.index("--only") + 1] == "sd3-full,digits"   # the configurations named
+    calls = (tmp_path / "calls").read_text().splitlines()
     refused = subprocess.run(["bash", script, "memory", "gpus"], env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and "no part 'gpus'" in refused.stderr
     assert len((tmp_path / "calls").read_text().splitlines()) == len(calls)   # nothing more ran

@@ -20,7 +20,10 @@ Checked for each, in its own process (a CUDA error poisons the process's context
 the old-surrogate pass give the same surrogate (the ratio at the first inner step, exp(s_update - s_old) on the first
 micro-batch, measured against an old pass over all minibatches made just before the update: exactly 1 when both
 see the same numerics), a finite loss and gradient norm, no skipped step, and the peak memory. Any failure exits
-non-zero naming the configuration, after the report of all of them is written.
+non-zero naming the configuration, after the report of all of them is written. Each configuration prints a progress
+line every --heartbeat seconds (its time so far, the vgrpo function running, what torch.compile has compiled and
+in how long): one that times out is reported with its last such line, so the report says where its time went, and
+the last 20 lines of a failed configuration's output are printed (bench/device.sh keeps them in device.log).
 """
 
 import argparse
@@ -32,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -136,6 +140,7 @@ def run_config(name, quick, out_dir):
     vgrpo.load_pipeline = lambda _name, kind, dtype: random_pipeline(kind, dtype, device, quick)
     reward.REWARDS.update(pickscore=random_clip_reward(quick, True, 26.0), hpsv2=random_clip_reward(quick, False, 1.0))
     vgrpo.quiet_libraries()
+    track_phases()
     evaluation = ["--eval-prompts", held_out_prompts, "--eval-every", "1", "--eval-images", "2"] \
         if name.startswith("sd3") else []
     args = vgrpo.parse_args([*CONFIGS[name], *(QUICK if quick else []), "--device", device, "--prompts", prompts,
@@ -168,6 +173,44 @@ def run_config(name, quick, out_dir):
                 # frames compiled in the whole run (the evaluation's included) and torch's seconds compiling them
                 compiled_graphs=vgrpo.compiled_graphs() if run.family.compiled else None,
                 compile_s=vgrpo.compile_seconds() if run.family.compiled else None)
+
+
+PHASE = {"now": ""}   # the child's phase of vgrpo's, nested with " > " (track_phases), for the heartbeat
+
+
+def heartbeat(name, every):
+    """Print every `every` s how long this configuration has run, the vgrpo function it is in and what torch.compile
+    has compiled so far: the last such line of a configuration that timed out says where its time went."""
+    started = time.perf_counter()
+
+    def beat():
+        while True:
+            time.sleep(every)
+            vgrpo = sys.modules.get("vgrpo")   # once imported (its functions defined) and torch.compile loaded
+            frames = vgrpo.compiled_graphs() if hasattr(vgrpo, "compile_seconds") and \
+                "torch._dynamo.utils" in sys.modules else 0
+            compiled = f"; compiled {frames} frames in {vgrpo.compile_seconds() or 0:.0f} s" if frames else ""
+            print(f"[{name}] {time.perf_counter() - started:.0f} s: {PHASE['now'] or 'starting'}{compiled}",
+                  flush=True)
+
+    threading.Thread(target=beat, daemon=True).start()
+
+
+def track_phases():
+    """vgrpo's phases wrapped in place, so that PHASE["now"] names the one running (the evaluation's rollout is
+    "evaluate > rollout")."""
+    import vgrpo
+
+    for name in ("start_run", "rollout", "decode", "score", "old_surrogate", "update", "evaluate"):
+        def tracked(*args, _real=getattr(vgrpo, name), _name=name, **kwargs):
+            outer = PHASE["now"]
+            PHASE["now"] = f"{outer} > {_name}" if outer else _name
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                PHASE["now"] = outer
+
+        setattr(vgrpo, name, tracked)
 
 
 def first_step_check(real_update, record):
@@ -245,13 +288,14 @@ def held_out_number(res):
 # --------------------------------------------------------------------------- all of them, and the report
 
 
-def launch(name, quick, timeout, work, limit=None):
+def launch(name, quick, timeout, work, limit=None, heartbeat=10):
     """Configuration `name` in a fresh process (torchrun with one process for --fsdp) -> its result or its error.
-    limit: what the timeout is, for the error (default: --timeout)."""
+    limit: what the timeout is, for the error (default: --timeout); heartbeat: seconds between the child's lines."""
     out_dir = os.path.join(work, name)
     os.makedirs(out_dir, exist_ok=True)
     result_file = os.path.join(out_dir, "result.json")
-    script = [os.path.join(HERE, "smoke.py"), "--child", name, "--work", work] + (["--quick"] if quick else [])
+    script = [os.path.join(HERE, "smoke.py"), "--child", name, "--work", work, "--heartbeat", str(heartbeat)] + \
+        (["--quick"] if quick else [])
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29517", *script] \
         if "--fsdp" in CONFIGS[name] else [sys.executable, *script]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -262,13 +306,22 @@ def launch(name, quick, timeout, work, limit=None):
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return dict(name=name, error=f"no result within {limit or f'--timeout {timeout:g} s'}")
+        output = proc.communicate()[0]
+        last = show_tail(name, output)[-1:]   # the heartbeat's last line: the phase it was in, what it had compiled
+        return dict(name=name, error=f"no result within {limit or f'--timeout {timeout:g} s'}" +
+                    (f" (last: {last[0][-200:]})" if last else ""))
     if proc.returncode or not os.path.isfile(result_file):
-        last = [line for line in output.strip().splitlines() if line.strip()][-3:]
+        last = show_tail(name, output)[-3:]
         return dict(name=name, error=f"exit {proc.returncode}: {' / '.join(last)[-400:]}")
     with open(result_file) as f:
         return json.load(f)
+
+
+def show_tail(name, output, lines=20):
+    """Print the last `lines` lines of a failed configuration's output (device.sh's log keeps them) -> them."""
+    tail = [line for line in output.strip().splitlines() if line.strip()][-lines:]
+    print("\n".join([f"{name} failed; its output ended:", *(f"    {line}" for line in tail)]), flush=True)
+    return tail
 
 
 def report(results, meta):
@@ -316,7 +369,11 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results", "smoke-gpu.md"), help="markdown; JSON beside it")
     p.add_argument("--work", default=None, help="the runs' folders (default: a temporary one)")
     p.add_argument("--child", help=argparse.SUPPRESS)   # inside the child process: this configuration
+    p.add_argument("--heartbeat", type=float, default=10, help="seconds between the progress lines of a "
+                   "configuration (the last one of a configuration that timed out says where its time went)")
     a = p.parse_args(argv)
+    if a.child:
+        heartbeat(a.child, a.heartbeat)   # first, so that a configuration stuck anywhere says where
     import torch
 
     if a.child:
@@ -354,7 +411,7 @@ def run_all(names, a, argv, work):
         started = time.perf_counter()
         left = deadline - started
         budget_left = f"the {left:.0f} s left of --budget {a.budget:g}" if left < a.timeout else None
-        res = launch(name, a.quick, min(a.timeout, left), work, budget_left) if left > 0 else \
+        res = launch(name, a.quick, min(a.timeout, left), work, budget_left, a.heartbeat) if left > 0 else \
             dict(name=name, error=f"not run: --budget {a.budget:g} s spent")
         results.append(res)
         print(f"{name}: {'; '.join(problems(res)) or 'ok'} ({time.perf_counter() - started:.0f} s)", flush=True)

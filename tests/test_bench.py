@@ -751,14 +751,37 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
     assert smoke.problems(on_gpu) == [] and "| 11, 42 | ok |" in smoke.report([on_gpu], data)
     scratch = tmp_path / "tmp"   # without --work: a temporary folder, removed at the end, a failure or not
     scratch.mkdir()
-    failing = subprocess.run([*command[:-4], "--only", "sd3-lora,flux-lora", "--budget", "1", "--out",
-                              str(tmp_path / "f.md")], env=dict(ENV, TMPDIR=str(scratch)), cwd=ROOT,
+    failing = subprocess.run([*command[:-4], "--only", "sd3-lora,flux-lora", "--budget", "2", "--heartbeat", "0.2",
+                              "--out", str(tmp_path / "f.md")], env=dict(ENV, TMPDIR=str(scratch)), cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
     assert failing.returncode == 1 and "FAILED: sd3-lora, flux-lora" in failing.stdout
     assert not [f for f in os.listdir(scratch) if f.startswith("vgrpo-smoke-")]
-    report = (tmp_path / "f.md").read_text()   # the first gets the budget's second, the second nothing
-    assert "**failed**: no result within the 1 s left of --budget 1 |" in report
-    assert "**failed**: not run: --budget 1 s spent |" in report
+    report = (tmp_path / "f.md").read_text()   # the first gets the budget's 2 s, the second nothing
+    # the timed-out configuration's last progress line (how long, which phase) is in its error, its output's end
+    # in the log
+    assert "**failed**: no result within the 2 s left of --budget 2 (last: [sd3-lora] " in report
+    assert "**failed**: not run: --budget 2 s spent |" in report
+    assert "sd3-lora failed; its output ended:\n    [sd3-lora] " in failing.stdout
+
+
+def test_the_smoke_runs_progress_lines_name_the_vgrpo_phase_running(monkeypatch):
+    """bench/smoke.py's track_phases: PHASE["now"] names the vgrpo function running, nested (the evaluation's
+    rollout), and is empty again after it returns or raises."""
+    import smoke
+    import vgrpo
+
+    seen = []
+    monkeypatch.setattr(vgrpo, "rollout", lambda: seen.append(smoke.PHASE["now"]))
+    monkeypatch.setattr(vgrpo, "evaluate", lambda: vgrpo.rollout())
+    for name in ("start_run", "decode", "score", "old_surrogate", "update"):
+        monkeypatch.setattr(vgrpo, name, lambda: 1 / 0)   # undone at the end, with track_phases' wrapping
+    smoke.track_phases()
+    vgrpo.evaluate()
+    vgrpo.rollout()
+    assert seen == ["evaluate > rollout", "rollout"] and smoke.PHASE["now"] == ""
+    with pytest.raises(ZeroDivisionError):
+        vgrpo.update()
+    assert smoke.PHASE["now"] == ""
 
 
 def test_the_saved_tensor_census_counts_each_storage_once_by_the_node_that_holds_it():

@@ -187,8 +187,8 @@ def heartbeat(name, every):
         while True:
             time.sleep(every)
             vgrpo = sys.modules.get("vgrpo")   # once imported (its functions defined) and torch.compile loaded
-            frames = vgrpo.compiled_graphs() if hasattr(vgrpo, "compile_seconds") and \
-                "torch._dynamo.utils" in sys.modules else 0
+            loaded = hasattr(vgrpo, "compile_seconds") and "torch._dynamo.utils" in sys.modules
+            frames = vgrpo.compiled_graphs() if loaded else 0
             compiled = f"; compiled {frames} frames in {vgrpo.compile_seconds() or 0:.0f} s" if frames else ""
             print(f"[{name}] {time.perf_counter() - started:.0f} s: {PHASE['now'] or 'starting'}{compiled}",
                   flush=True)
@@ -288,9 +288,9 @@ def held_out_number(res):
 # --------------------------------------------------------------------------- all of them, and the report
 
 
-def launch(name, quick, timeout, work, limit=None, heartbeat=10):
+def launch(name, quick, timeout, work, limit, heartbeat):
     """Configuration `name` in a fresh process (torchrun with one process for --fsdp) -> its result or its error.
-    limit: what the timeout is, for the error (default: --timeout); heartbeat: seconds between the child's lines."""
+    limit: what the timeout is, for the error (None: --timeout); heartbeat: seconds between the child's lines."""
     out_dir = os.path.join(work, name)
     os.makedirs(out_dir, exist_ok=True)
     result_file = os.path.join(out_dir, "result.json")

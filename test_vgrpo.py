@@ -754,6 +754,60 @@ def test_bad_input_is_one_clear_line(flags, message, tmp_path):
     assert p.stderr.startswith("vgrpo: error: ") and message in p.stderr, p.stderr
 
 
+# each bound refused with its own line, and the value on the bound accepted (an off-by-one fails one of the two)
+@pytest.mark.parametrize("flags,message", [
+    (["--sample-steps", "0"], "--sample-steps must be at least 1, got 0"),
+    (["--decode-batch", "0"], "--decode-batch must be at least 1, got 0"),
+    (["--n-mc", "5", "--sample-steps", "4"], "--n-mc 5 exceeds --sample-steps 4"),
+    (["--n-mc", "4", "--sample-steps", "4"], None),
+    (["--resolution", "40"], "--resolution must be a positive multiple of 16, got 40"),
+    (["--resolution", "0"], "--resolution must be a positive multiple of 16, got 0"),
+    (["--resolution", "16"], None),
+    (["--clip-eps", "0"], "--clip-eps and --lr must be positive"),
+    (["--lr", "0"], "--clip-eps and --lr must be positive"),
+    (["--beta", "-0.1"], "--beta, --adv-soft-clip and --adv-std-floor non-negative"),
+    (["--adv-std-floor", "-1"], "--beta, --adv-soft-clip and --adv-std-floor non-negative"),
+    (["--beta", "0", "--adv-soft-clip", "0", "--adv-std-floor", "0"], None),
+    (["--eval-images", "0"], "--eval-images must be >= 1"),
+    (["--keep-last", "-1"], "--keep-last must be >= 0"),
+    (["--keep-last", "0"], None),
+    (["--max-bad-steps", "0"], "--max-bad-steps and --dist-timeout >= 1"),
+    (["--ema", "0"], None),
+    (["--fsdp"], "--fsdp shards over torchrun's processes (launch with torchrun)"),
+    (["--report-to", "mlflow"], "unknown --report-to 'mlflow': valid choices are tensorboard, wandb"),
+    (["--kl-to", "initial", "--beta", "0.1", "--no-full-finetune", "--compile", "on"],
+     "it needs LoRA (not --full-finetune) and eager"),
+    (["--kl-to", "initial", "--beta", "0.1", "--full-finetune"], "it needs LoRA (not --full-finetune) and eager"),
+    (["--kl-to", "initial", "--beta", "0.1", "--no-full-finetune"], None),   # LoRA; --compile auto: eager blocks
+])
+def test_flags_out_of_range_are_refused_before_any_model_loads(flags, message, tmp_path):
+    args = vgrpo.parse_args(["--model", "tiny", *flags, "--output-dir", str(tmp_path)])
+    if message is None:
+        vgrpo.validate(args, 1)
+        return
+    with pytest.raises(vgrpo.UsageError) as e:
+        vgrpo.validate(args, 1)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fsdp_under_torchrun_is_refused_with_fp16_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")   # launched by torchrun: --fsdp computes in bf16 or float32, not fp16
+    for precision, refused in (("fp16", True), ("bf16", False), ("no", False)):
+        args = vgrpo.parse_args(["--model", "tiny", "--fsdp", "--mixed-precision", precision,
+                                 "--output-dir", str(tmp_path)])
+        if refused:
+            with pytest.raises(vgrpo.UsageError, match="fp16's loss scaler is not sharded"):
+                vgrpo.validate(args, 1)
+        else:
+            vgrpo.validate(args, 1)
+
+
+def test_resume_from_a_folder_without_a_checkpoint_is_refused(tmp_path):
+    args = vgrpo.parse_args(["--model", "tiny", "--resume", str(tmp_path), "--output-dir", str(tmp_path / "out")])
+    with pytest.raises(vgrpo.UsageError, match=r"not a checkpoint directory \(no state.json\)"):
+        vgrpo.validate(args, 1)
+
+
 @pytest.mark.slow
 def test_prompts_that_do_not_split_over_processes_are_refused(tmp_path):
     p = run_script("--prompts-per-step", "3", "--micro-batch", "4", "--output-dir", tmp_path, nproc=2, timeout=300)
@@ -1029,6 +1083,10 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
         (["--resume", short_run[0] / "checkpoint-3", "--model", "tiny", "--no-full-finetune", "--lora-rank", "8",
           "--iterations", "4"],
          "belongs to a different configuration: --lora-rank 32 there, 8 here"),
+        (["--resume", short_run[0] / "checkpoint-3", "--model", "tiny", "--no-full-finetune", "--iterations", "2"],
+         "is at iteration 3 and --iterations is 2: nothing to train"),
+        (["--resume", short_run[0] / "checkpoint-3", "--model", "tiny", "--no-full-finetune", "--iterations", "4",
+          "--ema", "0.9"], "no ema/ in it (saved without --ema); resume without --ema"),   # found once the model loads
         (["--prompts", tmp_path / "bad.jsonl"], 'line 2: expected an object with a "prompt" string'),
         (["--model", "tiny", "--eval-every", "2"], "--eval-every needs --eval-prompts"),
         (["--mixed-precision", "fp8"], "unknown --mixed-precision 'fp8'"),

@@ -100,10 +100,28 @@ def test_reward_spec_errors():
         reward.parse_reward_spec("jpeg,foo")
     with pytest.raises(ValueError, match="not a number"):
         reward.parse_reward_spec("jpeg:x")
+    for weight in ("nan", "inf", "-inf"):   # float() reads them: a NaN weight would turn every total into NaN
+        with pytest.raises(ValueError, match="reward weight for 'jpeg' must be finite"):
+            reward.parse_reward_spec(f"jpeg:{weight}")
+    with pytest.raises(ValueError, match="reward file not found: /no/such/rewards.py"):
+        reward.parse_reward_spec("/no/such/rewards.py:mean")
     assert reward.parse_reward_spec("pickscore:1,clipscore:0.5") == [("pickscore", 1.0), ("clipscore", 0.5)]
+    assert reward.parse_reward_spec("jpeg:-0.5") == [("jpeg", -0.5)]   # a negative weight penalises: allowed
     bad = reward.WeightedReward([("broken", 1.0, lambda images, prompts: torch.zeros(len(images) + 1))])
     with pytest.raises(reward.RewardError, match="'broken'"):
         bad(torch.zeros(2, 3, 8, 8), ["", ""])
+
+
+def test_a_python_reward_is_the_files_function_and_a_missing_one_is_named(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text("threshold = 0.5\n\n"
+                    "def bright(images, prompts):\n    return (images.mean((1, 2, 3)) > threshold).float()\n")
+    fn = reward.python_reward(str(path), "bright")
+    images = torch.stack([torch.full((3, 4, 4), v) for v in (0.2, 0.9)])
+    assert fn(images, ["", ""]).tolist() == [0.0, 1.0]
+    for name in ("dark", "threshold"):   # absent, and present but not a function
+        with pytest.raises(reward.RewardError, match=f"my_rewards.py has no function '{name}'"):
+            reward.python_reward(str(path), name)
 
 
 # --------------------------------------------------------------------------- the HTTP reward

@@ -253,6 +253,49 @@ def test_the_memory_benchmarks_gpu_mode_runs_and_its_table_reaches_the_guide(wor
     assert all("(fake CUDA)" in line for line in table[2:] if not line.startswith("| FLUX.2 [klein]"))
 
 
+@pytest.mark.slow
+def test_the_memory_benchmark_remeasures_one_configuration_and_keeps_the_others(tmp_path):
+    """`python bench/memory.py --models flux2-klein --lora-only`, as a user reruns one configuration of
+    results/memory.md: its own fake-CUDA workers (one process, then rank 0 of 8 under --fsdp) measure the same phases
+    as the committed results, within 5% (exactly the same bytes with the torch and diffusers that made them), and the
+    report keeps every other configuration's rows from the JSON beside it. About 70 s on 2 cores."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests import fake_cuda
+
+    if fake_cuda.build_library()[0] is None:
+        pytest.skip(fake_cuda.build_library()[1])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    committed = os.path.join(root, "bench", "results", "memory.json")
+    shutil.copy(committed, tmp_path / "memory.json")
+    p = subprocess.run([sys.executable, os.path.join(root, "bench", "memory.py"), "--models", "flux2-klein",
+                        "--lora-only", "--out", str(tmp_path / "memory.md")], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == f"wrote {tmp_path / 'memory.md'}"
+    with open(committed) as f:
+        before = json.load(f)
+    after = json.loads((tmp_path / "memory.json").read_text())
+    name = "flux2-klein LoRA r64"
+    assert list(after) == list(before)   # the configurations not measured now keep their place and rows
+    assert all(after[other] == before[other] for other in before if other != name)
+    assert after[name]["settings"] == before[name]["settings"]
+    for key in ("one", "fsdp"):
+        assert [row[0] for row in after[name][key]] == [row[0] for row in before[name][key]]
+        for (phase, got, *_), (_, made, *_) in zip(after[name][key], before[name][key]):
+            assert got == pytest.approx(made, rel=0.05), (key, phase)
+    md = (tmp_path / "memory.md").read_text()
+    assert md.startswith("# Peak GPU memory per phase (fake CUDA, the real shapes)")
+    sys.path.insert(0, os.path.join(root, "bench"))
+    import memory
+    for (phase, one, *_), (_, sharded, *_) in zip(after[name]["one"], after[name]["fsdp"]):
+        assert f"| {phase} | {memory.gib(one)} | {memory.gib(sharded)} |" in md, phase
+    assert [line for line in md.splitlines() if line.startswith("## ")][:len(before)] == \
+        [f"## {memory.config_title(other)}" for other in before]
+
+
 # --------------------------------------------------------------------------- the scenarios (run in the worker)
 
 

@@ -802,6 +802,16 @@ def test_fsdp_under_torchrun_is_refused_with_fp16_only(tmp_path, monkeypatch):
             vgrpo.validate(args, 1)
 
 
+def test_a_prompt_file_line_that_is_not_json_is_named_with_its_number(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a cat", "tag": "animals"}\n\n{"prompt": "a dog",\n')
+    with pytest.raises(vgrpo.UsageError, match=rf"prompt file {path}, line 3: not JSON \(Expecting"):
+        vgrpo.load_prompts(str(path))
+    path.write_text('{"prompt": "a cat", "tag": "animals"}\n\n{"prompt": "a dog"}\n')   # blank lines skipped
+    assert vgrpo.load_prompts(str(path)) == (["a cat", "a dog"], [{"prompt": "a cat", "tag": "animals"},
+                                                                  {"prompt": "a dog"}])
+
+
 def test_resume_from_a_folder_without_a_checkpoint_is_refused(tmp_path):
     args = vgrpo.parse_args(["--model", "tiny", "--resume", str(tmp_path), "--output-dir", str(tmp_path / "out")])
     with pytest.raises(vgrpo.UsageError, match=r"not a checkpoint directory \(no state.json\)"):

@@ -110,3 +110,28 @@ def test_the_per_tag_panel_draws_each_tag_in_its_style(tmp_path):
     lines = {d["label"]: (d["color"], d["ls"], d["lw"]) for d in drawn if "label" in d}
     assert len(lines) == 11 and len(set(lines.values())) == 11
     assert lines["mean_of_tags"][0] == "black" and list(lines)[-1] == "mean_of_tags"
+
+
+def test_a_drawing_that_fails_leaves_the_csv_and_one_line_not_a_stopped_run(tmp_path, monkeypatch, capsys):
+    """write_curves runs after every evaluation of a long run: a matplotlib failure must cost the picture only."""
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for it in (1, 2):
+            f.write(json.dumps({"iteration": it, "reward_mean": it / 10, "loss": 0.1}) + "\n")
+
+    def broken(*args):
+        raise ValueError("no such font")
+
+    monkeypatch.setattr(vgrpo, "plot_curves", broken)
+    assert vgrpo.write_curves(str(tmp_path)) is None
+    assert capsys.readouterr().err == "vgrpo: could not draw rewards.png (ValueError: no such font)\n"
+    assert (tmp_path / "rewards.csv").read_text().splitlines() == ["iteration,reward_mean", "1,0.1", "2,0.2"]
+    assert not (tmp_path / "rewards.png").exists()
+
+
+def test_a_run_without_reward_columns_draws_no_picture(tmp_path):
+    import matplotlib.pyplot as plt
+
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"iteration": 1, "reward_std": 0.0, "loss": 0.1}) + "\n")   # std alone is no curve
+    assert vgrpo.plot_curves(plt, {1: {"reward_std": 0.0}}, ["reward_std"], str(tmp_path / "rewards.png")) is None
+    assert vgrpo.write_curves(str(tmp_path)) is None and not (tmp_path / "rewards.png").exists()

@@ -245,6 +245,20 @@ def test_headline_ratios_by_hand():
     assert "| **V-GRPO** | 0.350 | +0.025 | +0.050 | +0.025 |" in table
 
 
+def test_the_full_runs_jobs_run_side_by_side_logged_and_a_failure_names_its_command_and_log(tmp_path, capsys):
+    """bench/run.py's full mode (hours: never run here) launches its learners through run_commands: each command's
+    output goes to its log, `jobs` at a time, and one failing command fails the run, naming it and its log."""
+    ok, bad = tmp_path / "ok.log", tmp_path / "bad.log"
+    script = "import os, sys; print(os.environ['OMP_NUM_THREADS'], os.environ['HF_HUB_OFFLINE']); sys.exit({})"
+    bench_run.run_commands([([sys.executable, "-c", script.format(0)], str(ok))], jobs=2)
+    assert ok.read_text() == "1 1\n"   # one thread each: the jobs share the cores; never a download
+    assert "done in" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match=rf"failed \(exit 3\); see {bad}$"):
+        bench_run.run_commands([([sys.executable, "-c", script.format(0)], str(ok)),
+                                ([sys.executable, "-c", script.format(3)], str(bad))], jobs=2)
+    assert bad.read_text() == "1 1\n"
+
+
 @pytest.mark.slow
 def test_run_quick_writes_every_result(tmp_path):
     out = tmp_path / "bench"

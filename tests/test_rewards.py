@@ -369,6 +369,17 @@ def _import_open_clip_model():
             sys.modules.pop(name, None)
 
 
+def test_an_openclip_checkpoint_with_keys_of_another_architecture_is_refused_naming_the_key():
+    """A checkpoint of another OpenCLIP architecture (an attention-pooling head, a gated MLP) would otherwise load
+    with those weights silently dropped."""
+    kept = reward.openclip_to_transformers({"ln_final.weight": torch.ones(2), "visual.proj": torch.ones(2, 3)})
+    assert set(kept) == {"text_model.final_layer_norm.weight", "visual_projection.weight"}
+    assert kept["visual_projection.weight"].shape == (3, 2)   # x @ proj in OpenCLIP, a Linear's (out, in) here
+    for key in ("visual.attn_pool.query", "transformer.resblocks.0.mlp.c_gate.weight"):
+        with pytest.raises(reward.RewardError, match=f"unexpected key in an OpenCLIP checkpoint: {key}$"):
+            reward.openclip_to_transformers({"ln_final.weight": torch.ones(2), key: torch.ones(2)})
+
+
 def test_hpsv2_conversion_matches_openclip():
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
     oc_model, oc_tokenizer = _import_open_clip_model()

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -69,8 +70,8 @@ def test_demo_picture_puts_the_first_and_last_held_out_grids_side_by_side(tmp_pa
             row, member = divmod(k, 4)
             x, y = label + half * (4 * (cell + space) + gap) + member * (cell + space), heading + row * (cell + space)
             expected = vgrpo.rewards_lib.to_uint8_images(grids[it][k:k + 1])[0].convert("L")
-            assert list(picture.crop((x, y, x + cell, y + cell)).getdata()) == \
-                list(expected.resize((cell, cell), Image.NEAREST).getdata())
+            assert np.array_equal(np.asarray(picture.crop((x, y, x + cell, y + cell))),
+                                  np.asarray(expected.resize((cell, cell), Image.NEAREST)))
 
 
 def test_every_tag_of_a_per_tag_panel_has_its_own_line_and_the_mean_is_thick_and_black():

@@ -279,7 +279,7 @@ def test_geneval_partial_jpeg_judges_the_quality_75_jpeg_of_each_image(judge):
     for image in images:
         buf = io.BytesIO()
         Image.fromarray((image * 255).round().byte().permute(1, 2, 0).numpy()).save(buf, format="JPEG", quality=75)
-        by_hand.append(torch.from_numpy(np.asarray(Image.open(buf).convert("RGB"))).permute(2, 0, 1).float() / 255)
+        by_hand.append(torch.from_numpy(np.array(Image.open(buf).convert("RGB"))).permute(2, 0, 1).float() / 255)
     by_hand = torch.stack(by_hand)
     assert (by_hand - images).abs().max() > 0.05                      # the encoding changes the pixels
     assert torch.equal(reward.jpeg_round_trip(images), by_hand)

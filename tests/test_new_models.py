@@ -104,6 +104,20 @@ def test_the_klein_shift_is_its_empirical_mu_and_guidance_doubles_the_rollout_ro
     assert rows == [6, 6, 3, 3]                                               # CFG: negative and positive in one pass
 
 
+@pytest.mark.parametrize("dynamic_shift", [False, True])
+def test_a_klein_scheduler_with_flow_sigmas_keeps_the_grid_its_pipeline_samples_on(use_hub_cache, dynamic_shift):
+    """A multistep scheduler with use_flow_sigmas (UniPC here) in a klein folder: Flux2KleinPipeline then leaves the
+    grid to the scheduler (no linspace sigmas), and the rollout's grid is that one (1e-3 off the linspace's)."""
+    from diffusers import UniPCMultistepScheduler
+
+    fam, _ = family("flux2-klein")
+    fam.pipe.scheduler = UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
+                                                 flow_shift=3.0, use_dynamic_shifting=dynamic_shift)
+    fam.pipe(prompt=PROMPTS[:1], num_inference_steps=4, height=32, width=32, guidance_scale=1.0, output_type="pt")
+    sampled = fam.pipe.scheduler.sigmas                                       # what the pipeline just sampled on
+    assert sampled[-1] == 0 and torch.allclose(fam.sigma_grid(4), sampled.float(), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("model", ["qwen-image", "flux2-klein"])
 def test_lora_targets_cover_attention_and_feed_forwards_of_every_block(use_hub_cache, model):
     fam, args = family(model)

@@ -42,6 +42,7 @@ caching allocator's rounding and fragmentation (reserved minus allocated). The n
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -375,8 +376,6 @@ def measure(kind, full_finetune, fsdp=False):
     the bytes are: in one process the resident state's parts and, where the update without checkpointing fits, its
     census (saved_census); None under --fsdp).
     fsdp: as rank 0 of WORLD processes in torch's fake process group (tests/fake_cuda.py's fake_processes)."""
-    import contextlib
-
     with fake_cuda.fake_processes(WORLD) if fsdp else contextlib.nullcontext():
         return measure_phases(kind, full_finetune, fsdp)
 
@@ -699,7 +698,8 @@ def write_gpu_report(results, fake, device_name, context, seconds, path):
              "to compare with the fake-CUDA bytes; reserved: `max_memory_reserved()`, the caching allocator's "
              "slack included. `--fsdp` columns: rank 0 of 8 with the fake process group on one GPU. OOM: does not "
              f"fit on this GPU. Memory used outside torch's allocator (used memory minus what torch reserved): "
-             f"{gib(context[0])} GiB after `torch.cuda.init()`, {gib(context[1])} GiB after the runs (the CUDA "
+             f"{gib(context[0])} GiB after `torch.cuda.init()`, " + ("not measured after the runs (the device stopped "
+             "answering)" if context[1] is None else f"{gib(context[1])} GiB after the runs") + " (the CUDA "
              "context, kernels loaded lazily, cuBLAS / cuDNN handles and workspaces).", ""]
     for name, result in results.items():
         columns = []
@@ -831,9 +831,10 @@ def measure_on_gpu(kind, full_finetune, fsdp):
     """One configuration on this machine's GPU; its weights are freed before the next one starts."""
     try:
         rows, args, census = measure(kind, full_finetune, fsdp)
-        return rows, describe_settings(args), census
     finally:
-        release_freed()
+        with contextlib.suppress(Exception):   # after a CUDA error this raises it again: the first one is reported
+            release_freed()
+    return rows, describe_settings(args), census
 
 
 def config_name(kind, full):
@@ -909,19 +910,30 @@ def main_on_gpu(args, configs, start):
         free, total = torch.cuda.mem_get_info()
         return total - free - torch.cuda.memory_reserved(), total
 
+    def outside_torch_now():   # None once the device stopped answering (a CUDA error poisons the process's context)
+        try:
+            torch.cuda.synchronize()
+            return outside_torch()[0]
+        except Exception:  # noqa: BLE001 - whatever the error, the report of what was measured is written
+            return None
+
     torch.cuda.init()
     context_at_init, total = outside_torch()
+    device = torch.cuda.get_device_name()
     fake = {}
     if os.path.isfile(args.fake_results):
         with open(args.fake_results) as f:
             fake = json.load(f)
-    results = {}
+    results, answering = {}, True
     for kind, full in configs:
         name, result, notes = config_name(kind, full), {}, []
+        results[name] = result
         for key, fsdp in (("one", False), ("fsdp", True)):
             label = f"--fsdp over {WORLD}" if fsdp else "one process"
             need = {row[0]: row[1] for row in fake.get(name, {}).get(key, [])}.get("update, checkpointing on")
-            if need and need > total:
+            if not answering:
+                notes.append(f"{label}: not run, the device stopped answering")
+            elif need and need > total:
                 notes.append(f"{label}: not run, fake CUDA's update peak {gib(need)} GiB exceeds this GPU's "
                              f"{gib(total)} GiB")
             elif time.time() - start > args.time_limit:
@@ -934,17 +946,17 @@ def main_on_gpu(args, configs, start):
                     notes.append(f"{label}: the weights and optimizer states alone do not fit")
                 except Exception as e:  # noqa: BLE001 - one configuration's failure is reported, the rest run
                     notes.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        result["notes"] = notes
-        results[name] = result
+                    answering = outside_torch_now() is not None
+            result["notes"] = notes
+            # after every measurement, so that a run cut short by a timeout leaves what it measured
+            context = (context_at_init, outside_torch_now() if answering else None)
+            write_gpu_report(results, fake, device, context, time.time() - start, args.out)
+            with open(os.path.splitext(args.out)[0] + ".json", "w") as f:   # --guide reads it
+                json.dump(dict(device=device, torch=torch.__version__, outside_torch=context, results=results), f,
+                          indent=1)
         print(f"{name}: {time.time() - start:.0f} s {'; '.join(notes)}", flush=True)
-        # after every configuration, so that a run cut short by a timeout leaves what it measured
-        context = (context_at_init, outside_torch()[0])
-        write_gpu_report(results, fake, torch.cuda.get_device_name(), context, time.time() - start, args.out)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:   # --guide reads it
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, outside_torch=context,
-                           results=results), f, indent=1)
     print(f"wrote {args.out}")
-    return 0
+    return 0 if answering else 1
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
     python bench/smoke.py --quick --out /tmp/s.md  # the same code on the CPU at tiny shapes (test_bench.py)
 
 Each configuration is a recipe's command (`--model sd3 --reward pickscore`, `--model flux --reward hpsv2`, LoRA or
---full-finetune, --fsdp under torchrun) with the batch cut to one prompt group so that it runs in seconds; the
-shapes of a row are the recipe's (resolution, text tokens, N_MC, ODE steps, inner steps). vgrpo builds the run as a
+--full-finetune, --fsdp as torchrun's one process) with the batch cut to one prompt group so that it runs in seconds;
+the shapes of a row are the recipe's (resolution, text tokens, N_MC, ODE steps, inner steps). vgrpo builds the run as a
 user's is built (parse_args, validate, start_run: the family, LoRA or full fine-tuning, DDP or FSDP2, AdamW, the
 reward, the prompt store), except that no weights are read: vgrpo.load_pipeline is given a pipeline of random
 weights made on the GPU, the transformer and VAE at the published configurations (bench/memory.py's), text encoders
@@ -32,6 +32,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -288,28 +289,63 @@ def held_out_number(res):
 # --------------------------------------------------------------------------- all of them, and the report
 
 
+class Stopped(Exception):
+    """This script was sent SIGTERM (device.sh's `timeout`) while it waited for a configuration."""
+
+
+SIGTERM = {"received": False, "waiting": False}
+
+
+def stop_on_sigterm(signum, frame):
+    """Ends the wait for the running configuration (launch kills it); no configuration starts after it."""
+    SIGTERM["received"] = True
+    if SIGTERM["waiting"]:
+        raise Stopped
+
+
+def one_process_group():
+    """The environment torchrun gives its one worker: --fsdp's process group of one, on a free port. (torchrun itself
+    would start that worker in a session of its own, which outlives the kill of a timed-out configuration and keeps
+    the GPU's memory.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port))
+
+
 def launch(name, quick, timeout, work, limit, heartbeat):
-    """Configuration `name` in a fresh process (torchrun with one process for --fsdp) -> its result or its error.
-    limit: what the timeout is, for the error (None: --timeout); heartbeat: seconds between the child's lines."""
+    """Configuration `name` in a fresh process (for --fsdp, with the environment of torchrun's one process) -> its
+    result or its error. limit: what the timeout is, for the error (None: --timeout); heartbeat: seconds between the
+    child's lines. A timeout, or SIGTERM to this script, ends the configuration's process and all it started."""
     out_dir = os.path.join(work, name)
     os.makedirs(out_dir, exist_ok=True)
     result_file = os.path.join(out_dir, "result.json")
-    script = [os.path.join(HERE, "smoke.py"), "--child", name, "--work", work, "--heartbeat", str(heartbeat)] + \
-        (["--quick"] if quick else [])
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29517", *script] \
-        if "--fsdp" in CONFIGS[name] else [sys.executable, *script]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    # a session of its own, so that a timeout ends torchrun's workers too (they would hold the GPU and the port)
+    command = [sys.executable, os.path.join(HERE, "smoke.py"), "--child", name, "--work", work, "--heartbeat",
+               str(heartbeat)] + (["--quick"] if quick else [])
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               **(one_process_group() if "--fsdp" in CONFIGS[name] else {}))
+    # a session of its own, so that one kill ends it and what it started (the digits demo's vgrpo.py)
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
+        SIGTERM["waiting"] = True
+        if SIGTERM["received"]:   # it came while the process started
+            raise Stopped
         output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, Stopped) as e:
+        SIGTERM["waiting"] = False   # a second SIGTERM must not interrupt the kill
         os.killpg(proc.pid, signal.SIGKILL)
-        output = proc.communicate()[0]
+        try:
+            output = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:   # something outside the session holds the pipe open: leave the output
+            output = ""
         last = show_tail(name, output)[-1:]   # the heartbeat's last line: the phase it was in, what it had compiled
-        return dict(name=name, error=f"no result within {limit or f'--timeout {timeout:g} s'}" +
-                    (f" (last: {last[0][-200:]})" if last else ""))
+        why = "stopped by SIGTERM" if isinstance(e, Stopped) else \
+            f"no result within {limit or f'--timeout {timeout:g} s'}"
+        return dict(name=name, error=why + (f" (last: {last[0][-200:]})" if last else ""))
+    finally:
+        SIGTERM["waiting"] = False
     if proc.returncode or not os.path.isfile(result_file):
         last = show_tail(name, output)[-3:]
         return dict(name=name, error=f"exit {proc.returncode}: {' / '.join(last)[-400:]}")
@@ -382,7 +418,10 @@ def main(argv=None):
         if int(os.environ.get("RANK", 0)) == 0:
             with open(os.path.join(a.work, a.child, "result.json"), "w") as f:
                 json.dump(result, f)
-        return 0
+        # leave without tearing down --fsdp's process group, whose destructor can hang at exit (vgrpo.finish)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     names = a.only.split(",")
     if not set(names) <= set(CONFIGS):
         p.error(f"--only: choose from {', '.join(CONFIGS)}")
@@ -407,12 +446,17 @@ def run_all(names, a, argv, work):
                 command=" ".join(["python bench/smoke.py", *(sys.argv[1:] if argv is None else argv)]))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     deadline = time.perf_counter() + a.budget
+    signal.signal(signal.SIGTERM, stop_on_sigterm)   # a configuration running then is ended, and the report written
     for name in names:
         started = time.perf_counter()
         left = deadline - started
         budget_left = f"the {left:.0f} s left of --budget {a.budget:g}" if left < a.timeout else None
-        res = launch(name, a.quick, min(a.timeout, left), work, budget_left, a.heartbeat) if left > 0 else \
-            dict(name=name, error=f"not run: --budget {a.budget:g} s spent")
+        if SIGTERM["received"]:
+            res = dict(name=name, error="not run: stopped by SIGTERM")
+        elif left > 0:
+            res = launch(name, a.quick, min(a.timeout, left), work, budget_left, a.heartbeat)
+        else:
+            res = dict(name=name, error=f"not run: --budget {a.budget:g} s spent")
         results.append(res)
         print(f"{name}: {'; '.join(problems(res)) or 'ok'} ({time.perf_counter() - started:.0f} s)", flush=True)
         with open(a.out, "w") as f:   # after every configuration: a run cut short keeps what it did

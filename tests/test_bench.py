@@ -5,6 +5,7 @@ would, its outputs checked.
     python -m pytest tests/test_bench.py -q
 """
 
+import argparse
 import json
 import math
 import os
@@ -731,7 +732,7 @@ def test_stability_methods_mode_trains_the_headlines_choices_side_by_side_and_re
 @pytest.mark.slow
 def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_loudly(tmp_path):
     """bench/smoke.py --quick: every configuration (the digits demo, SD3 LoRA and full fine-tuning, FLUX LoRA, FLUX
-    under --fsdp by torchrun) runs one whole iteration in its own process through vgrpo's own functions; the update's
+    under --fsdp as torchrun's one process) runs one whole iteration in its own process through vgrpo's own functions; the update's
     first forward equals the old-surrogate pass bit for bit; SD3's evaluate on held-out prompts; a configuration that
     fails (here: out of time) or is not run (--budget spent) is named and the exit code is 1."""
     out = tmp_path / "smoke.md"
@@ -776,6 +777,45 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
     assert "**failed**: no result within the 2 s left of --budget 2 (last: [sd3-lora] " in report
     assert "**failed**: not run: --budget 2 s spent |" in report
     assert "sd3-lora failed; its output ended:\n    [sd3-lora] " in failing.stdout
+
+
+def processes_naming(text):
+    """The running processes whose command line contains `text`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text in f.read().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(pid))
+        except OSError:   # it ended meanwhile
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_smoke_stopped_by_sigterm_ends_the_running_configuration_and_writes_the_report(tmp_path):
+    """bench/device.sh's `timeout` sends SIGTERM to bench/smoke.py, whose configurations run in sessions of their
+    own: the one running then (here FLUX under --fsdp) is ended with everything it started, so that nothing keeps
+    the GPU's memory into the next part, and the report names it and the one not run. The parent then exits 1."""
+    import time
+
+    work, out = tmp_path / "work", tmp_path / "s.md"
+    smoke = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "smoke.py"), "--quick", "--only",
+                              "flux-lora-fsdp,sd3-lora", "--heartbeat", "0.2", "--out", str(out), "--work", str(work)],
+                             env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not processes_naming(f"--child flux-lora-fsdp --work {work}") and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)                                            # into its imports and model building
+    assert smoke.poll() is None and processes_naming(str(work)), "the configuration never started"
+    smoke.terminate()
+    output = smoke.communicate(timeout=120)[0]
+    assert smoke.returncode == 1, output[-3000:]
+    assert processes_naming(str(work)) == []                 # the configuration's process is gone
+    report = out.read_text()
+    assert "**failed**: stopped by SIGTERM (last: [flux-lora-fsdp] " in report
+    assert "| sd3-lora | `" in report and "**failed**: not run: stopped by SIGTERM |" in report
+    assert "FAILED: flux-lora-fsdp, sd3-lora" in output
 
 
 def test_the_smoke_runs_progress_lines_name_the_vgrpo_phase_running(monkeypatch):
@@ -846,6 +886,57 @@ def test_the_saved_tensor_census_counts_each_storage_once_by_the_node_that_holds
     lines = memory.census_lines([("GPU", dict(resident=gpu["resident"], error="RuntimeError: CUDA error"))])
     assert lines[-2:] == ["- GPU: the census failed: RuntimeError: CUDA error", ""]
     assert memory.census_lines([("fake CUDA", None)]) == []
+
+
+def test_the_memory_benchmarks_gpu_mode_reports_what_it_measured_once_the_device_stops_answering(tmp_path,
+                                                                                                  monkeypatch):
+    """bench/memory.py --gpu after a CUDA error that poisons the process's context (FLUX's cuDNN attention did, on an
+    H200): every later CUDA call raises, emptying the cache and reading the free memory included. The first error is
+    the one reported, nothing more is started, the report of what was measured is written with a note per
+    measurement left out, and the exit status is 1. torch.cuda is scripted here (no GPU): the device answers until
+    the second measurement fails."""
+    import memory
+    import vgrpo
+
+    broken, calls = [], []
+
+    def answer(value):
+        def call(*args, **kwargs):
+            if broken:   # worded apart from the first error, to tell which one the report names
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (a later call)")
+            return value
+        return call
+
+    def measure(kind, full_finetune, fsdp):
+        calls.append((kind, full_finetune, fsdp))
+        if len(calls) == 2:
+            broken.append(True)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be ...")
+        return [["update, checkpointing on", 11 * 2 ** 30, 12 * 2 ** 30]], argparse.Namespace(), None
+
+    for name, value in (("is_available", True), ("init", None), ("mem_get_info", (100 * 2 ** 30, 141 * 2 ** 30)),
+                        ("memory_reserved", 40 * 2 ** 30), ("synchronize", None), ("empty_cache", None),
+                        ("get_device_name", "NVIDIA H200")):
+        monkeypatch.setattr(torch.cuda, name, answer(value))
+    monkeypatch.setattr(memory, "measure", measure)
+    monkeypatch.setattr(memory, "describe_settings", lambda args: "settings")
+    monkeypatch.setattr(vgrpo, "choose_attention_kernels", lambda kernels: None)   # this process's flags stay
+    out = tmp_path / "memory-gpu.md"
+    assert memory.main(["--gpu", "--models", "sd3,flux", "--out", str(out)]) == 1
+    assert calls == [("sd3", False, False), ("sd3", False, True)]             # nothing started after the error
+    report = json.loads((tmp_path / "memory-gpu.json").read_text())
+    assert report["device"] == "NVIDIA H200" and report["outside_torch"] == [1 * 2 ** 30, None]
+    results = report["results"]
+    assert results["sd3 LoRA r32"]["one"] == [["update, checkpointing on", 11 * 2 ** 30, 12 * 2 ** 30]]
+    assert results["sd3 LoRA r32"]["notes"] == [
+        "--fsdp over 8: RuntimeError: CUDA error: an illegal memory access was encountered"]
+    assert list(results) == ["sd3 LoRA r32", "sd3 full fine-tuning", "flux LoRA r32", "flux full fine-tuning"]
+    for name in list(results)[1:]:
+        assert results[name]["notes"] == ["one process: not run, the device stopped answering",
+                                          "--fsdp over 8: not run, the device stopped answering"], name
+    md = out.read_text()
+    assert "1.00 GiB after `torch.cuda.init()`, not measured after the runs (the device stopped answering)" in md
+    assert "| update, checkpointing on | " in md and "| 11.00 | 12.00 |" in md
 
 
 def test_the_workspace_census_is_each_ops_rise_of_the_peak_less_the_tensors_it_made(monkeypatch):

@@ -425,7 +425,7 @@ class Run:
 def train_iteration(run, it):
     """One V-GRPO iteration (`it` counts from 0): rollout -> reward -> advantages -> pairs -> update.
     -> (stats, images, prompts, rewards, advantages), the last four for this rank's samples."""
-    args, family, timer = run.args, run.family, PhaseTimer()
+    args, family, timer = run.args, run.family, PhaseTimer(run.device)
     # 1. Rollout of this rank's prompt groups. Prompts and starting noise are keyed by (seed, iteration, global
     #    prompt slot, member): the members of a group differ, and nothing depends on which rank draws them.
     with timer("rollout"):
@@ -2176,15 +2176,19 @@ def reward_metrics(run):
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase of an iteration: `with timer("rollout"):` adds to time_rollout."""
+    """Wall-clock seconds per phase of an iteration: `with timer("rollout"):` adds to time_rollout. On CUDA a phase
+    ends when the GPU has done its work: kernels run after the host queues them, and a phase's tail would otherwise
+    count in the next phase that waits for a result (the rollout's in the reward's)."""
 
-    def __init__(self):
-        self.seconds = dict.fromkeys(("rollout", "reward", "old", "update"), 0.0)
+    def __init__(self, device):
+        self.seconds, self.device = dict.fromkeys(("rollout", "reward", "old", "update"), 0.0), device
 
     @contextlib.contextmanager
     def __call__(self, phase):
         start = time.perf_counter()
         yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.seconds[phase] += time.perf_counter() - start
 
     def stats(self):

@@ -7,6 +7,7 @@ batch changes nothing but float rounding. Seconds are measured in bench/, never 
 
 import collections
 import os
+import time
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -71,6 +72,21 @@ def test_host_syncs_per_iteration_do_not_grow_with_micro_batches_or_ode_steps():
     assert syncs(micro_batch=2, sample_steps=4) == base     # 4x the micro-batches
     assert syncs(micro_batch=8, sample_steps=8) == base     # 2x the ODE steps
     assert syncs(micro_batch=8, sample_steps=4, sample_batch=2) == base  # 4x the sampling passes
+
+
+def test_each_phase_is_timed_to_the_end_of_its_gpu_work_with_one_sync(monkeypatch):
+    """An iteration's time_* on CUDA: one torch.cuda.synchronize of the run's device as each phase ends, so a phase's
+    queued kernels count in it (4 syncs per iteration, however many micro-batches); none on the CPU."""
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(str(device)))
+    for device, expected in (("cuda:1", ["cuda:1"] * 4), ("cpu", [])):
+        waited.clear()
+        timer = vgrpo.PhaseTimer(torch.device(device))
+        for phase in ("rollout", "reward", "old", "update"):
+            with timer(phase):
+                time.sleep(0.01)
+        assert waited == expected and all(s >= 0.01 for s in timer.stats().values()), device
+    assert set(timer.stats()) == {"time_rollout", "time_reward", "time_old", "time_update"}
 
 
 def test_batch_shared_noise_is_stored_once():

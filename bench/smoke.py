@@ -303,6 +303,17 @@ def stop_on_sigterm(signum, frame):
         raise Stopped
 
 
+def wait_for(proc, timeout):
+    """proc's output once it exits; TimeoutExpired after `timeout` seconds, Stopped on SIGTERM (before it too)."""
+    SIGTERM["waiting"] = True
+    try:
+        if SIGTERM["received"]:   # it came while the process started
+            raise Stopped
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        SIGTERM["waiting"] = False   # a later SIGTERM must not interrupt the kill
+
+
 def one_process_group():
     """The environment torchrun gives its one worker: --fsdp's process group of one, on a free port. (torchrun itself
     would start that worker in a session of its own, which outlives the kill of a timed-out configuration and keeps
@@ -329,12 +340,8 @@ def launch(name, quick, timeout, work, limit, heartbeat):
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
-        SIGTERM["waiting"] = True
-        if SIGTERM["received"]:   # it came while the process started
-            raise Stopped
-        output, _ = proc.communicate(timeout=timeout)
+        output = wait_for(proc, timeout)
     except (subprocess.TimeoutExpired, Stopped) as e:
-        SIGTERM["waiting"] = False   # a second SIGTERM must not interrupt the kill
         os.killpg(proc.pid, signal.SIGKILL)
         try:
             output = proc.communicate(timeout=30)[0]
@@ -344,8 +351,6 @@ def launch(name, quick, timeout, work, limit, heartbeat):
         why = "stopped by SIGTERM" if isinstance(e, Stopped) else \
             f"no result within {limit or f'--timeout {timeout:g} s'}"
         return dict(name=name, error=why + (f" (last: {last[0][-200:]})" if last else ""))
-    finally:
-        SIGTERM["waiting"] = False
     if proc.returncode or not os.path.isfile(result_file):
         last = show_tail(name, output)[-3:]
         return dict(name=name, error=f"exit {proc.returncode}: {' / '.join(last)[-400:]}")

@@ -41,6 +41,7 @@ AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
 # variables VGRPO_AESTHETIC_REPO / VGRPO_AESTHETIC_FILE (a local .pth path works as VGRPO_AESTHETIC_FILE too).
 AESTHETIC_REPO = os.environ.get("VGRPO_AESTHETIC_REPO", "camenduru/improved-aesthetic-predictor")
 AESTHETIC_FILE = os.environ.get("VGRPO_AESTHETIC_FILE", "sac+logos+ava1-l14-linearMSE.pth")
+CONFIG_FILES = " --include '*.json' '*.txt'"   # `hf download` of a repository's configs, processor and tokenizer
 
 
 class RewardError(Exception):
@@ -163,19 +164,22 @@ def clip_similarity_reward(model, processor, device, use_logit_scale, divide_by=
     return fn
 
 
+def _from_hub(reward_name, repo, load, files=""):
+    """load(repo), a transformers / diffusers `from_pretrained`; a repository missing from the cache (or broken in
+    it) becomes one RewardError naming it and the command that fetches it (`files`: the files that suffice)."""
+    try:
+        return load(repo)
+    except (OSError, ValueError) as e:
+        raise RewardError(f"reward '{reward_name}' needs {repo}, which could not be loaded ({type(e).__name__}); "
+                          f"download it first (`hf download {repo}{files}`) or run with network access") from None
+
+
 def _load_clip(model_id, processor_id, reward_name, device):
     from transformers import CLIPModel, CLIPProcessor
 
-    try:
-        model = CLIPModel.from_pretrained(model_id)
-        processor = CLIPProcessor.from_pretrained(processor_id)
-    except (OSError, ValueError) as e:
-        raise RewardError(
-            f"reward '{reward_name}' needs {model_id} (and {processor_id}), which could not be loaded "
-            f"({type(e).__name__}); download them into the Hugging Face cache first "
-            f"(`hf download {model_id}`) or run with network access"
-        ) from None
-    return model, processor
+    model = _from_hub(reward_name, model_id, CLIPModel.from_pretrained)
+    files = "" if processor_id == model_id else CONFIG_FILES     # only the processor of another repository
+    return model, _from_hub(reward_name, processor_id, CLIPProcessor.from_pretrained, files)
 
 
 def load_pickscore(device, dtype=None):
@@ -206,6 +210,15 @@ def _hub_file(repo, filename, reward_name):
         raise RewardError(f"reward '{reward_name}' needs {filename} from {repo}, which could not be loaded "
                           f"({type(e).__name__}); download it first (`hf download {repo} {filename}`) "
                           "or run with network access") from None
+
+
+def _read_checkpoint(path, reward_name):
+    """torch.load of a downloaded checkpoint: a truncated or corrupt file becomes one RewardError naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  (zip, unpickling and EOF errors, depending on where the file breaks)
+        raise RewardError(f"reward '{reward_name}': {path} could not be read ({type(e).__name__}); delete it and "
+                          "download it again") from None
 
 
 def openclip_to_transformers(state_dict):
@@ -268,16 +281,11 @@ def load_hpsv2(device, dtype=None):
     """
     from transformers import CLIPConfig, CLIPModel, CLIPProcessor
 
-    checkpoint = torch.load(_hub_file(HPS_REPO, HPS_FILE, "hpsv2"), map_location="cpu", weights_only=True)
+    checkpoint = _read_checkpoint(_hub_file(HPS_REPO, HPS_FILE, "hpsv2"), "hpsv2")
     state_dict = checkpoint.get("state_dict", checkpoint)
     state_dict = {k.removeprefix("module."): v.float() for k, v in state_dict.items()}
-    try:
-        config = CLIPConfig.from_pretrained(HPS_BACKBONE)
-        processor = CLIPProcessor.from_pretrained(HPS_BACKBONE)
-    except (OSError, ValueError) as e:
-        raise RewardError(f"reward 'hpsv2' needs the config and processor of {HPS_BACKBONE}, which could not be "
-                          f"loaded ({type(e).__name__}); "
-                          f"`hf download {HPS_BACKBONE} --include '*.json' '*.txt'`") from None
+    config = _from_hub("hpsv2", HPS_BACKBONE, CLIPConfig.from_pretrained, CONFIG_FILES)   # its config and processor
+    processor = _from_hub("hpsv2", HPS_BACKBONE, CLIPProcessor.from_pretrained, CONFIG_FILES)
     # OpenCLIP's ViT-H-14 uses the exact GELU (only OpenAI's CLIP models use quick_gelu)
     config.text_config.hidden_act = config.vision_config.hidden_act = "gelu"
     model = CLIPModel(config)
@@ -329,8 +337,7 @@ def load_aesthetic(device, dtype=None):
     """
     model, processor = _load_clip(AESTHETIC_CLIP, AESTHETIC_CLIP, "aesthetic", device)
     mlp = AestheticMLP()
-    path = _hub_file(AESTHETIC_REPO, AESTHETIC_FILE, "aesthetic")
-    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    state_dict = _read_checkpoint(_hub_file(AESTHETIC_REPO, AESTHETIC_FILE, "aesthetic"), "aesthetic")
     mlp.load_state_dict(state_dict.get("state_dict", state_dict))
     return aesthetic_reward(model, processor, mlp, device, dtype)
 
@@ -527,16 +534,14 @@ def load_imagereward(device, dtype=None):
     path = _hub_file(IMAGEREWARD_REPO, IMAGEREWARD_FILE, "imagereward")
     with open(_hub_file(IMAGEREWARD_REPO, IMAGEREWARD_CONFIG, "imagereward")) as f:
         med_config = json.load(f)
-    try:
-        tokenizer = imagereward_tokenizer(BertTokenizer.from_pretrained(IMAGEREWARD_TOKENIZER))
-    except (OSError, ValueError) as e:
-        raise RewardError(f"reward 'imagereward' needs the {IMAGEREWARD_TOKENIZER} tokenizer, which could not be "
-                          f"loaded ({type(e).__name__}); download it first (`hf download {IMAGEREWARD_TOKENIZER} "
-                          "--include '*.txt' '*.json'`) or run with network access") from None
-    if len(tokenizer) > med_config.get("vocab_size", 0):
-        raise RewardError(f"reward 'imagereward': the tokenizer has {len(tokenizer)} tokens with [DEC] and [ENC], "
-                          f"more than the {med_config.get('vocab_size')} of {IMAGEREWARD_CONFIG}")
-    model = imagereward_model(torch.load(path, map_location="cpu", weights_only=True), med_config, source=path)
+    tokenizer = imagereward_tokenizer(_from_hub("imagereward", IMAGEREWARD_TOKENIZER, BertTokenizer.from_pretrained,
+                                                CONFIG_FILES))    # the tokenizer alone
+    if len(tokenizer) != med_config.get("vocab_size"):   # offline, transformers builds a bare tokenizer without it
+        raise RewardError(f"reward 'imagereward' needs {IMAGEREWARD_TOKENIZER}'s vocabulary: the tokenizer found has "
+                          f"{len(tokenizer)} tokens with [DEC] and [ENC], {IMAGEREWARD_CONFIG} "
+                          f"{med_config.get('vocab_size')}; download it first (`hf download {IMAGEREWARD_TOKENIZER}"
+                          f"{CONFIG_FILES}`)")
+    model = imagereward_model(_read_checkpoint(path, "imagereward"), med_config, source=path)
     return imagereward_reward(model, tokenizer, device, dtype)
 
 
@@ -905,18 +910,14 @@ _GENEVAL = {}  # (device, dtype) -> GenEval: geneval and geneval_partial in one 
 def load_geneval_judge(device, dtype=None):
     key = (str(device), dtype)
     if key not in _GENEVAL:
-        from transformers import CLIPModel, CLIPProcessor, Mask2FormerForUniversalSegmentation
+        from transformers import Mask2FormerForUniversalSegmentation
 
         try:
-            detector = Mask2FormerForUniversalSegmentation.from_pretrained(GENEVAL_DETECTOR)
-            clip, processor = CLIPModel.from_pretrained(GENEVAL_CLIP), CLIPProcessor.from_pretrained(GENEVAL_CLIP)
-        except (OSError, ValueError) as e:
-            raise RewardError(f"reward 'geneval' needs {GENEVAL_DETECTOR} and {GENEVAL_CLIP}, which could not be "
-                              f"loaded ({type(e).__name__}); `hf download {GENEVAL_DETECTOR}` and "
-                              f"`hf download {GENEVAL_CLIP}` first") from None
+            detector = _from_hub("geneval", GENEVAL_DETECTOR, Mask2FormerForUniversalSegmentation.from_pretrained)
         except ImportError as e:
             raise RewardError(f"reward 'geneval' needs {e.name or 'scipy'} (transformers' Mask2Former imports it): "
                               "pip install scipy") from None
+        clip, processor = _load_clip(GENEVAL_CLIP, GENEVAL_CLIP, "geneval", device)
         _GENEVAL[key] = GenEval(detector, clip, processor, device, dtype or torch.float32)
     return _GENEVAL[key]
 

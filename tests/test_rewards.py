@@ -16,6 +16,7 @@ import importlib.util
 import json
 import random
 import re
+import shutil
 import sys
 import types
 
@@ -433,6 +434,19 @@ def test_missing_optional_package_is_one_line(monkeypatch, name, package):
     assert "\n" not in str(e.value)
 
 
+def test_geneval_without_scipy_says_to_install_it(use_hub_cache):
+    """transformers' Mask2Former imports scipy (requirements.txt lists it; an environment made by hand may lack it):
+    in a fresh process, where that module is not imported yet, with scipy unimportable, GenEval says so in one line."""
+    import subprocess
+
+    code = ("import sys; sys.modules['scipy'] = None\nimport reward\ntry:\n    reward.load_reward('geneval')\n"
+            "except reward.RewardError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(reward.__file__)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout == "reward 'geneval' needs scipy (transformers' Mask2Former imports it): pip install scipy\n", \
+        out.stdout + out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("name,repo", [("hpsv2", reward.HPS_REPO), ("aesthetic", reward.AESTHETIC_CLIP)])
 def test_weights_not_downloaded_is_one_line(name, repo):
     with pytest.raises(reward.RewardError, match=f"reward '{name}' needs .*{repo}") as e:
@@ -616,6 +630,58 @@ def test_standins_resolve_from_the_cache_and_nowhere_else(use_hub_cache, monkeyp
     for name in ("pickscore", "clipscore", "hpsv2", "aesthetic"):
         with pytest.raises(reward.RewardError, match=f"reward '{name}' needs"):
             reward.load_reward(name)
+
+
+@pytest.mark.parametrize("name,missing", [
+    ("pickscore", reward.PICKSCORE_MODEL), ("pickscore", reward.PICKSCORE_PROCESSOR),
+    ("hpsv2", reward.HPS_REPO), ("hpsv2", reward.HPS_BACKBONE),
+    ("aesthetic", reward.AESTHETIC_CLIP), ("aesthetic", reward.AESTHETIC_REPO),
+    ("imagereward", reward.IMAGEREWARD_REPO), ("imagereward", reward.IMAGEREWARD_TOKENIZER),
+    ("geneval", reward.GENEVAL_DETECTOR), ("geneval", reward.GENEVAL_CLIP),
+])
+def test_a_cache_lacking_one_of_a_rewards_repositories_names_that_one_and_how_to_fetch_it(
+        use_hub_cache, monkeypatch, tmp_path, name, missing):
+    """A partial download (every repository of the reward but one in the cache) fails in one line that names the
+    missing repository and the `hf download` command for it, not the reward's other repositories."""
+    from huggingface_hub import constants
+
+    folder = "models--" + missing.replace("/", "--")
+    assert os.path.isdir(os.path.join(use_hub_cache, folder))
+    for entry in os.listdir(use_hub_cache):
+        if entry != folder:
+            os.symlink(os.path.join(use_hub_cache, entry), tmp_path / entry)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(reward, "_GENEVAL", {})            # no judge kept from an earlier test
+    with pytest.raises(reward.RewardError) as e:
+        reward.load_reward(name)
+    message = str(e.value)
+    assert message.startswith(f"reward '{name}' needs ") and "\n" not in message, message
+    assert f"`hf download {missing}" in message and message.count("hf download") == 1, message
+    others = {reward.PICKSCORE_MODEL, reward.PICKSCORE_PROCESSOR, reward.HPS_REPO, reward.AESTHETIC_CLIP,
+              reward.AESTHETIC_REPO, reward.IMAGEREWARD_REPO, reward.IMAGEREWARD_TOKENIZER, reward.GENEVAL_DETECTOR}
+    assert not [repo for repo in others - {missing} if repo in message], message
+
+
+@pytest.mark.parametrize("name,repo,filename", [("hpsv2", reward.HPS_REPO, reward.HPS_FILE),
+                                                ("aesthetic", reward.AESTHETIC_REPO, reward.AESTHETIC_FILE),
+                                                ("imagereward", reward.IMAGEREWARD_REPO, reward.IMAGEREWARD_FILE)])
+def test_a_truncated_checkpoint_in_the_cache_is_named_in_one_line(use_hub_cache, monkeypatch, tmp_path, name, repo,
+                                                                    filename):
+    """A download cut short leaves a checkpoint torch.load cannot read: the error names the reward and the file."""
+    from huggingface_hub import constants, hf_hub_download
+
+    shutil.copytree(use_hub_cache, tmp_path / "cache", symlinks=True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    path = os.path.realpath(hf_hub_download(repo, filename))
+    assert path.startswith(str(tmp_path / "cache"))
+    with open(path, "rb") as f:
+        head = f.read(os.path.getsize(path) // 2)
+    with open(path, "wb") as f:
+        f.write(head)
+    with pytest.raises(reward.RewardError, match=f"^reward '{name}': .*{re.escape(filename)} could not be read "
+                                                 r"\(\w+\); delete it and download it again$"):
+        reward.load_reward(name)
 
 
 def test_sd3_standin_has_the_real_pipelines_features(use_hub_cache):

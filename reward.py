@@ -164,14 +164,31 @@ def clip_similarity_reward(model, processor, device, use_logit_scale, divide_by=
     return fn
 
 
+def lacks_vocabulary(tokenizer):
+    """Whether `tokenizer` is the bare one transformers builds, without a word of warning, when a repository's
+    vocabulary files are absent (offline, or a partial download): every prompt then becomes the unknown token (CLIP,
+    T5, BERT) or no token at all (Qwen's byte-level BPE). A plain English probe tells it from any real tokenizer."""
+    ids = tokenizer("a photo of a cat", add_special_tokens=False)["input_ids"]
+    return not ids or (tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids)
+
+
 def _from_hub(reward_name, repo, load, files=""):
     """load(repo), a transformers / diffusers `from_pretrained`; a repository missing from the cache (or broken in
-    it) becomes one RewardError naming it and the command that fetches it (`files`: the files that suffice)."""
+    it, a tokenizer without its vocabulary included) becomes one RewardError naming it and the command that fetches
+    it (`files`: the files that suffice)."""
+    from transformers import PreTrainedTokenizerBase
+
+    fetch = f"download it first (`hf download {repo}{files}`) or run with network access"
     try:
-        return load(repo)
+        loaded = load(repo)
     except (OSError, ValueError) as e:
         raise RewardError(f"reward '{reward_name}' needs {repo}, which could not be loaded ({type(e).__name__}); "
-                          f"download it first (`hf download {repo}{files}`) or run with network access") from None
+                          f"{fetch}") from None
+    tokenizer = getattr(loaded, "tokenizer", loaded)        # a processor's, or the tokenizer itself
+    if isinstance(tokenizer, PreTrainedTokenizerBase) and lacks_vocabulary(tokenizer):
+        raise RewardError(f"reward '{reward_name}' needs {repo}, whose tokenizer has no vocabulary in the cache "
+                          f"(a partial download: every prompt would read as unknown tokens); {fetch}")
+    return loaded
 
 
 def _load_clip(model_id, processor_id, reward_name, device):
@@ -536,11 +553,9 @@ def load_imagereward(device, dtype=None):
         med_config = json.load(f)
     tokenizer = imagereward_tokenizer(_from_hub("imagereward", IMAGEREWARD_TOKENIZER, BertTokenizer.from_pretrained,
                                                 CONFIG_FILES))    # the tokenizer alone
-    if len(tokenizer) != med_config.get("vocab_size"):   # offline, transformers builds a bare tokenizer without it
-        raise RewardError(f"reward 'imagereward' needs {IMAGEREWARD_TOKENIZER}'s vocabulary: the tokenizer found has "
-                          f"{len(tokenizer)} tokens with [DEC] and [ENC], {IMAGEREWARD_CONFIG} "
-                          f"{med_config.get('vocab_size')}; download it first (`hf download {IMAGEREWARD_TOKENIZER}"
-                          f"{CONFIG_FILES}`)")
+    if len(tokenizer) != med_config.get("vocab_size"):
+        raise RewardError(f"reward 'imagereward': the {IMAGEREWARD_TOKENIZER} tokenizer has {len(tokenizer)} tokens "
+                          f"with [DEC] and [ENC], {IMAGEREWARD_CONFIG} {med_config.get('vocab_size')}")
     model = imagereward_model(_read_checkpoint(path, "imagereward"), med_config, source=path)
     return imagereward_reward(model, tokenizer, device, dtype)
 

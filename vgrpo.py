@@ -1548,7 +1548,7 @@ def load_pipeline(name, kind, dtype):
         with open(index) as f:
             absent = {part: None for part, entry in json.load(f).items() if entry == [None, None]}
     try:
-        return getattr(diffusers, PIPELINES[kind][0]).from_pretrained(name, dtype=dtype, **absent)
+        pipe = getattr(diffusers, PIPELINES[kind][0]).from_pretrained(name, dtype=dtype, **absent)
     except (OSError, ValueError) as e:
         if local:
             raise UsageError(f"--model {name}: the pipeline folder is incomplete ({type(e).__name__}: "
@@ -1557,6 +1557,15 @@ def load_pipeline(name, kind, dtype):
                          f"cache has no complete copy; download it once with `hf download {name}` (accept the "
                          "model's licence first) or pass a local pipeline folder with --model /path/to/pipeline") \
             from None
+    # a tokenizer whose files are absent loads as an empty one that reads every prompt as unknown tokens
+    bare = [part for part, component in pipe.components.items()
+            if part.startswith("tokenizer") and component is not None and rewards_lib.lacks_vocabulary(component)]
+    if bare:
+        where, fix = ("the folder", "save the pipeline there again") if local else \
+            ("the Hugging Face cache's copy", f"download it again with `hf download {name}`")
+        raise UsageError(f"--model {name}: {where} has no vocabulary for {' and '.join(bare)} (an incomplete copy: "
+                         f"every prompt would read as unknown tokens); {fix}")
+    return pipe
 
 
 def add_trainable_weights(family, args):

@@ -214,6 +214,11 @@ def test_a_folder_without_t5_loads_and_missing_folders_say_what_is_missing(tmp_p
     with pytest.raises(vgrpo.UsageError, match="pipeline folder is incomplete") as e:
         vgrpo.load_pipeline(str(broken), "sd3", torch.float32)
     assert "download" not in str(e.value)
+    shutil.copytree(os.path.join(DIGITS, "pipeline", "vae"), broken / "vae")
+    os.remove(broken / "tokenizer_2" / "tokenizer.json")   # what is left loads as an empty tokenizer, silently
+    with pytest.raises(vgrpo.UsageError, match=r"the folder has no vocabulary for tokenizer_2 \(.*\); save the "
+                                               "pipeline there again$"):
+        vgrpo.load_pipeline(str(broken), "sd3", torch.float32)
 
 
 @pytest.mark.parametrize("value", [[0.5, 1, 2.0, 3], (1, 2, 3, 4), np.arange(4), np.arange(4, dtype=np.float32),

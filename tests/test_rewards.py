@@ -684,6 +684,54 @@ def test_a_truncated_checkpoint_in_the_cache_is_named_in_one_line(use_hub_cache,
         reward.load_reward(name)
 
 
+def _cache_copy_without(cache, tmp_path, repo, files):
+    """A copy of the hub cache whose snapshot of `repo` lacks the files `files` (globs): an incomplete download."""
+    import glob
+
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    removed = [path for pattern in files
+               for path in glob.glob(str(copy / ("models--" + repo.replace("/", "--")) / "snapshots" / "*" / pattern))]
+    assert removed, files
+    for path in removed:
+        os.remove(path)
+    return str(copy)
+
+
+@pytest.mark.parametrize("model,tokenizer", [("sd3", "tokenizer_3"), ("flux", "tokenizer_2"), ("flux", "tokenizer"),
+                                             ("qwen-image", "tokenizer"), ("flux2-klein", "tokenizer")])
+def test_a_pipeline_whose_tokenizer_files_are_missing_is_refused_in_one_line(use_hub_cache, monkeypatch, tmp_path,
+                                                                              model, tokenizer):
+    """transformers loads a tokenizer whose vocabulary files are absent as an empty one, silently (every prompt then
+    reads as unknown tokens or as nothing, and training goes on with one prompt); vgrpo refuses such a pipeline."""
+    from huggingface_hub import constants
+
+    repo = vgrpo.MODEL_IDS[model]
+    cache = _cache_copy_without(use_hub_cache, tmp_path, repo, [f"{tokenizer}/*"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    with pytest.raises(vgrpo.UsageError) as e:
+        vgrpo.load_pipeline(repo, model, torch.float32)
+    assert str(e.value) == (f"--model {repo}: the Hugging Face cache's copy has no vocabulary for {tokenizer} (an "
+                            "incomplete copy: every prompt would read as unknown tokens); download it again with "
+                            f"`hf download {repo}`")
+
+
+@pytest.mark.parametrize("name,repo", [("pickscore", reward.PICKSCORE_PROCESSOR), ("hpsv2", reward.HPS_BACKBONE),
+                                       ("clipscore", reward.CLIPSCORE_MODEL), ("imagereward", reward.IMAGEREWARD_TOKENIZER)])
+def test_a_reward_whose_tokenizer_files_are_missing_is_refused_in_one_line(use_hub_cache, monkeypatch, tmp_path, name,
+                                                                            repo):
+    """The same for a reward's tokenizer (a CLIP processor's, BERT's): the reward would ignore the prompt."""
+    from huggingface_hub import constants
+
+    cache = _cache_copy_without(use_hub_cache, tmp_path, repo, ["tokenizer.json", "vocab.*", "merges.txt"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    with pytest.raises(reward.RewardError, match=f"^reward '{name}' needs {re.escape(repo)}, whose tokenizer has no "
+                                                 r"vocabulary in the cache \(a partial download"):
+        reward.load_reward(name)
+
+
 def test_sd3_standin_has_the_real_pipelines_features(use_hub_cache):
     from diffusers import StableDiffusion3Pipeline
 

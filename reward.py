@@ -176,12 +176,13 @@ def _from_hub(reward_name, repo, load, files=""):
     """load(repo), a transformers / diffusers `from_pretrained`; a repository missing from the cache (or broken in
     it, a tokenizer without its vocabulary included) becomes one RewardError naming it and the command that fetches
     it (`files`: the files that suffice)."""
+    from safetensors import SafetensorError     # a weights file cut short
     from transformers import PreTrainedTokenizerBase
 
     fetch = f"download it first (`hf download {repo}{files}`) or run with network access"
     try:
         loaded = load(repo)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         raise RewardError(f"reward '{reward_name}' needs {repo}, which could not be loaded ({type(e).__name__}); "
                           f"{fetch}") from None
     tokenizer = getattr(loaded, "tokenizer", loaded)        # a processor's, or the tokenizer itself

@@ -1537,6 +1537,7 @@ def load_pipeline(name, kind, dtype):
     diffusers requires. What is missing is one line."""
     import diffusers
     from huggingface_hub import try_to_load_from_cache
+    from safetensors import SafetensorError     # a weights file cut short
 
     local = os.path.isdir(name)
     index = os.path.join(name, "model_index.json") if local else try_to_load_from_cache(name, "model_index.json")
@@ -1549,7 +1550,7 @@ def load_pipeline(name, kind, dtype):
             absent = {part: None for part, entry in json.load(f).items() if entry == [None, None]}
     try:
         pipe = getattr(diffusers, PIPELINES[kind][0]).from_pretrained(name, dtype=dtype, **absent)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         if local:
             raise UsageError(f"--model {name}: the pipeline folder is incomplete ({type(e).__name__}: "
                              f"{str(e).splitlines()[0]})") from None

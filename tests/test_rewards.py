@@ -11,6 +11,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import functools
+import glob
 import importlib
 import importlib.util
 import json
@@ -686,13 +687,11 @@ def test_a_truncated_checkpoint_in_the_cache_is_named_in_one_line(use_hub_cache,
 
 def _cache_copy_without(cache, tmp_path, repo, files):
     """A copy of the hub cache whose snapshot of `repo` lacks the files `files` (globs): an incomplete download."""
-    import glob
-
     copy = tmp_path / "cache"
     shutil.copytree(cache, copy)
     removed = [path for pattern in files
                for path in glob.glob(str(copy / ("models--" + repo.replace("/", "--")) / "snapshots" / "*" / pattern))]
-    assert removed, files
+    assert removed or not files, files
     for path in removed:
         os.remove(path)
     return str(copy)
@@ -715,6 +714,29 @@ def test_a_pipeline_whose_tokenizer_files_are_missing_is_refused_in_one_line(use
     assert str(e.value) == (f"--model {repo}: the Hugging Face cache's copy has no vocabulary for {tokenizer} (an "
                             "incomplete copy: every prompt would read as unknown tokens); download it again with "
                             f"`hf download {repo}`")
+
+
+@pytest.mark.parametrize("weights", ["transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
+                                     "vae/diffusion_pytorch_model.safetensors"])
+def test_a_pipeline_with_a_weights_file_cut_short_is_refused_in_one_line(use_hub_cache, monkeypatch, tmp_path,
+                                                                          weights):
+    """A download that stopped mid-file: diffusers and transformers raise three kinds of error (a truncated text
+    encoder's is safetensors' own); each is the one-line 'no complete copy'."""
+    from huggingface_hub import constants
+
+    repo = vgrpo.MODEL_IDS["sd3"]
+    cache = _cache_copy_without(use_hub_cache, tmp_path, repo, [])
+    path = glob.glob(os.path.join(cache, "models--" + repo.replace("/", "--"), "snapshots", "*", weights))[0]
+    os.truncate(path, os.path.getsize(path) // 2)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    with pytest.raises(vgrpo.UsageError, match=f"^could not load '{repo}' \\(\\w+\\): .* has no complete copy"):
+        vgrpo.load_pipeline(repo, "sd3", torch.float32)
+    clip = glob.glob(os.path.join(cache, "models--openai--clip-vit-large-patch14", "snapshots", "*", "model.safetensors"))
+    os.truncate(clip[0], os.path.getsize(clip[0]) // 2)                 # and a reward's
+    with pytest.raises(reward.RewardError, match="^reward 'clipscore' needs openai/clip-vit-large-patch14, which "
+                                                 r"could not be loaded \(\w+\); download it first"):
+        reward.load_reward("clipscore")
 
 
 @pytest.mark.parametrize("name,repo", [("pickscore", reward.PICKSCORE_PROCESSOR), ("hpsv2", reward.HPS_BACKBONE),

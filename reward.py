@@ -1347,6 +1347,9 @@ def parse_reward_spec(spec):
         if not math.isfinite(w):
             raise ValueError(f"reward weight for '{name}' must be finite")
         parts.append((name, w))
+    if all(w == 0 for _, w in parts):
+        raise ValueError(f"every weight in {spec!r} is 0: the reward would be 0 for every image (a weight of 0 "
+                         "logs a reward without training on it, beside another that trains)")
     return parts
 
 

@@ -763,11 +763,21 @@ def test_bad_input_is_one_clear_line(flags, message, tmp_path):
     (["--resolution", "40"], "--resolution must be a positive multiple of 16, got 40"),
     (["--resolution", "0"], "--resolution must be a positive multiple of 16, got 0"),
     (["--resolution", "16"], None),
-    (["--clip-eps", "0"], "--clip-eps and --lr must be positive"),
-    (["--lr", "0"], "--clip-eps and --lr must be positive"),
-    (["--beta", "-0.1"], "--beta, --adv-soft-clip and --adv-std-floor non-negative"),
-    (["--adv-std-floor", "-1"], "--beta, --adv-soft-clip and --adv-std-floor non-negative"),
-    (["--beta", "0", "--adv-soft-clip", "0", "--adv-std-floor", "0"], None),
+    (["--clip-eps", "0"], "--clip-eps, --lr and --max-grad-norm must be positive"),
+    (["--lr", "0"], "--clip-eps, --lr and --max-grad-norm must be positive"),
+    (["--max-grad-norm", "0"], "--clip-eps, --lr and --max-grad-norm must be positive (a clip at 0 zeroes every"),
+    (["--max-grad-norm", "-1"], "--clip-eps, --lr and --max-grad-norm must be positive"),
+    (["--max-grad-norm", "1e-9"], None),
+    (["--beta", "-0.1"], "--beta, --adv-soft-clip, --adv-std-floor and --weight-decay non-negative"),
+    (["--adv-std-floor", "-1"], "--beta, --adv-soft-clip, --adv-std-floor and --weight-decay non-negative"),
+    (["--weight-decay", "-0.01"], "--beta, --adv-soft-clip, --adv-std-floor and --weight-decay non-negative"),
+    (["--beta", "0", "--adv-soft-clip", "0", "--adv-std-floor", "0", "--weight-decay", "0"], None),
+    (["--device", "cuda:1"], "unknown --device 'cuda:1': valid choices are auto, cpu, cuda"),
+    (["--device", "gpu"], "unknown --device 'gpu': valid choices are auto, cpu, cuda"),
+    (["--device", "cpu"], None),
+    (["--reward", "jpeg:0"], "--reward: every weight in 'jpeg:0' is 0: the reward would be 0 for every image"),
+    (["--reward", "jpeg:0,digit:0"], "every weight in"),
+    (["--reward", "jpeg:1,clipscore:0"], None),
     (["--eval-images", "0"], "--eval-images must be >= 1"),
     (["--keep-last", "-1"], "--keep-last must be >= 0"),
     (["--keep-last", "0"], None),
@@ -810,6 +820,90 @@ def test_a_prompt_file_line_that_is_not_json_is_named_with_its_number(tmp_path):
     path.write_text('{"prompt": "a cat", "tag": "animals"}\n\n{"prompt": "a dog"}\n')   # blank lines skipped
     assert vgrpo.load_prompts(str(path)) == (["a cat", "a dog"], [{"prompt": "a cat", "tag": "animals"},
                                                                   {"prompt": "a dog"}])
+
+
+def test_prompt_files_are_read_by_their_suffix_and_json_in_a_text_file_is_refused(tmp_path):
+    """.jsonl in any case keeps each line's metadata; a .json (or .csv) file, or JSON lines in a text file, would
+    train on the lines' raw text with the metadata lost, and is refused; an editor's byte-order mark is dropped."""
+    line = '{"prompt": "a cat", "tag": "animals"}\n'
+    (tmp_path / "p.JSONL").write_text(line)
+    assert vgrpo.load_prompts(str(tmp_path / "p.JSONL")) == (["a cat"], [{"prompt": "a cat", "tag": "animals"}])
+    for name in ("p.json", "p.csv"):
+        (tmp_path / name).write_text(line)
+        with pytest.raises(vgrpo.UsageError, match=rf"prompts are read from .txt \(one per line\) or .jsonl .*, not "
+                                                   rf"\.{name[2:]}$"):
+            vgrpo.load_prompts(str(tmp_path / name))
+    (tmp_path / "p.txt").write_text("\n" + line)
+    with pytest.raises(vgrpo.UsageError, match=r"p.txt, line 2: a JSON object in a text file; name the file .jsonl"):
+        vgrpo.load_prompts(str(tmp_path / "p.txt"))
+    (tmp_path / "p.txt").write_bytes("\ufeffa red cat\n{curly} braces later are text\n".encode())
+    assert vgrpo.load_prompts(str(tmp_path / "p.txt"))[0] == ["a red cat", "{curly} braces later are text"]
+
+
+def test_an_empty_prompts_flag_is_refused_for_real_models_only(tmp_path):
+    """--prompts '' (an unset shell variable) gives the tiny models' 12 built-in prompts: a real model refuses it."""
+    for model, refused in (("sd3", True), ("digits", True), ("tiny", False)):
+        args = vgrpo.parse_args(["--model", model, "--prompts", "", "--output-dir", str(tmp_path)])
+        if refused:
+            with pytest.raises(vgrpo.UsageError, match=r"^--prompts is empty: give a prompt file"):
+                vgrpo.validate(args, 1)
+        else:
+            vgrpo.validate(args, 1)
+
+
+def test_held_out_prompts_given_are_evaluated_every_20_iterations_unless_told_otherwise(tmp_path):
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("a cat\n")
+    given = ["--model", "sd3", "--eval-prompts", str(held_out)]
+    assert vgrpo.parse_args(given).eval_every == 20                      # was 0: the file was never read
+    assert vgrpo.parse_args([*given, "--eval-every", "0"]).eval_every == 0
+    assert vgrpo.parse_args(["--model", "sd3"]).eval_every == 0
+    assert vgrpo.parse_args(["--model", "digits", "--eval-every", "0"]).eval_every == 0
+
+
+def test_abbreviated_flags_are_refused(capsys):
+    """argparse would take --bet for --beta: past --curriculum's refusal of the flags it sets stage by stage."""
+    for argv in (["--model", "tiny", "--bet", "0.1"], ["--curriculum", "sd3", "--n-m", "2"]):
+        with pytest.raises(SystemExit):
+            vgrpo.parse_args(argv)
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_resume_auto_continues_it(tmp_path):
+    """A fresh start in a folder with checkpoints would clear its metrics, have --keep-last delete the new run's first
+    checkpoints (the old ones are newer) and a --resume auto after a preemption take the old run's."""
+    flags = ["--model", "tiny", "--output-dir", str(tmp_path)]
+    os.makedirs(tmp_path / "checkpoint-7")                 # incomplete (no state.json): no earlier run's checkpoint
+    vgrpo.validate(vgrpo.parse_args(flags), 1)
+    os.makedirs(tmp_path / "checkpoint-5")
+    args = vgrpo.parse_args(flags)
+    with open(tmp_path / "checkpoint-5" / "state.json", "w") as f:
+        json.dump({"iteration": 5, "args": vars(args)}, f)
+    with pytest.raises(vgrpo.UsageError, match=rf"^--output-dir {re.escape(str(tmp_path))} holds an earlier run's "
+                                               r"checkpoint-5: continue that run with --resume auto, or start anew"):
+        vgrpo.validate(vgrpo.parse_args(flags), 1)
+    resumed = vgrpo.parse_args([*flags, "--resume", "auto"])
+    vgrpo.validate(resumed, 1)
+    assert resumed.resume == str(tmp_path / "checkpoint-5")
+
+
+def test_a_resume_trains_at_this_launchs_learning_rate_and_weight_decay(tmp_path):
+    """optimizer.load_state_dict restores the saved param_groups, lr included: the flags of the launch win, while
+    AdamW's moments are the checkpoint's."""
+    import types
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    saved = torch.optim.AdamW([weight], lr=3e-4, weight_decay=0.0)
+    weight.grad = torch.tensor([1.0, -2.0, 0.5])
+    saved.step()
+    torch.save(saved.state_dict(), tmp_path / "optimizer.pt")
+    optimizer = torch.optim.AdamW([weight], lr=1e-4, weight_decay=0.01)
+    run = types.SimpleNamespace(args=types.SimpleNamespace(fsdp=False, lr=1e-4, weight_decay=0.01),
+                                optimizer=optimizer, device=torch.device("cpu"), scaler=None)
+    vgrpo.load_training_state(str(tmp_path), run)
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [(1e-4, 0.01)]
+    assert torch.equal(optimizer.state[weight]["exp_avg"], saved.state[weight]["exp_avg"])
+    assert optimizer.state[weight]["step"] == 1
 
 
 def test_resume_from_a_folder_without_a_checkpoint_is_refused(tmp_path):

@@ -168,7 +168,7 @@ class Args:
                                   "ODE); a .jsonl's \"tag\" field breaks the first evaluation reward down by tag "
                                   "(default: prompts/digits_eval.jsonl for digits, none otherwise)")
     eval_every: int = arg(None, "evaluate every N iterations, before training and at the end (0: never; default: 20 "
-                                "for digits, 0 otherwise)")
+                                "with --eval-prompts or for digits, 0 otherwise)")
     eval_rewards: str = arg(None, "reward spec of the evaluation, may differ from --reward (default: --reward's "
                                   "rewards; digits: digit_correct,digit_knn,digit)")
     eval_images: int = arg(None, "images per evaluation prompt (default: 8 for digits, 2 otherwise)")
@@ -703,6 +703,8 @@ def resolve_defaults(args, world_size):
     """Every default in one place: each flag left at None from the model's recipe; the learning rate follows LoRA /
     full fine-tuning; the micro-batch divides the per-process minibatch; --resume auto names the newest checkpoint."""
     recipe = RECIPES[args.model if args.model in RECIPES else model_kind(args.model)]
+    if args.eval_every is None and args.eval_prompts:   # held-out prompts given: they are evaluated
+        args.eval_every = 20
     for name, value in recipe.items():
         if getattr(args, name) is None:  # the recipe's files are the project's
             setattr(args, name, project_file(value) if name.endswith("prompts") and value else value)
@@ -742,7 +744,8 @@ def parse_args(argv=None):
     """Command line -> Args. Explicit flags win over a --preset, which wins over the model's recipe."""
     import argparse
 
-    p = argparse.ArgumentParser(description="V-GRPO training (arXiv 2604.23380)")
+    # no abbreviated flags: they would slip past --curriculum's refusal of flags it sets stage by stage
+    p = argparse.ArgumentParser(description="V-GRPO training (arXiv 2604.23380)", allow_abbrev=False)
     for f in dataclasses.fields(Args):
         name = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):  # --flag / --no-flag
@@ -795,6 +798,7 @@ CHOICES = {
     "mixed_precision": ("--mixed-precision", tuple(AMP_DTYPES)),
     "reward_advantage": ("--reward-advantage", ("sum", "per-reward")),
     "compile": ("--compile", ("auto", "on", "off")),
+    "device": ("--device", ("auto", "cpu", "cuda")),   # under torchrun, each process takes cuda:LOCAL_RANK
     "kl_to": ("--kl-to", ("sampling", "initial")),
 }
 DEFAULT_PROMPTS = [  # the tiny test models' prompts; the others train on a file of prompts/ or --prompts
@@ -867,9 +871,10 @@ def check_sizes(args, world_size):
     if args.micro_batch < 1 or minibatch % args.micro_batch:
         raise UsageError(f"--micro-batch {args.micro_batch} must divide the per-process minibatch of "
                          f"{minibatch} samples (P/world * G / inner-steps)")
-    if args.clip_eps <= 0 or args.beta < 0 or args.adv_soft_clip < 0 or args.adv_std_floor < 0 or args.lr <= 0:
-        raise UsageError("--clip-eps and --lr must be positive; --beta, --adv-soft-clip and --adv-std-floor "
-                         "non-negative")
+    if min(args.clip_eps, args.lr, args.max_grad_norm) <= 0 or min(args.beta, args.adv_soft_clip,
+                                                                   args.adv_std_floor, args.weight_decay) < 0:
+        raise UsageError("--clip-eps, --lr and --max-grad-norm must be positive (a clip at 0 zeroes every gradient); "
+                         "--beta, --adv-soft-clip, --adv-std-floor and --weight-decay non-negative")
     if args.resolution < 16 or args.resolution % 16:
         raise UsageError(f"--resolution must be a positive multiple of 16, got {args.resolution}")
     if args.eval_every < 0 or args.eval_images < 1 or (args.eval_every and not args.eval_prompts):
@@ -884,6 +889,9 @@ def check_sizes(args, world_size):
 
 
 def check_prompt_files(args):
+    if not args.prompts and not is_tiny(args.model):   # "" (an unset shell variable?): the tiny models' 12 prompts
+        raise UsageError("--prompts is empty: give a prompt file (.txt or .jsonl); only the tiny test models have "
+                         "built-in prompts")
     for flag, path in (("--prompts", args.prompts), ("--eval-prompts", args.eval_prompts)):
         if path and not os.path.isfile(path):
             raise UsageError(f"{flag}: prompt file not found: {path}" + (f" (stage {args.preset})" if args.preset
@@ -903,7 +911,9 @@ def check_curriculum(args):
 
 
 def check_paths(args):
-    """The output folder is writable, --resume names a checkpoint of this configuration."""
+    """The output folder is writable, --resume names a checkpoint of this configuration, and a new run does not
+    start among an earlier run's checkpoints (its metrics would be cleared, --keep-last would delete the new run's
+    checkpoints first, and --resume auto after a preemption would take the old run's)."""
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
@@ -911,6 +921,10 @@ def check_paths(args):
         raise UsageError(f"--output-dir {args.output_dir} is not writable ({e.strerror or e})") from None
     if args.resume:
         check_resume_matches(args)
+    elif latest_checkpoint(args.output_dir):
+        earlier = os.path.basename(latest_checkpoint(args.output_dir))
+        raise UsageError(f"--output-dir {args.output_dir} holds an earlier run's {earlier}: continue that run with "
+                         "--resume auto, or start anew in another --output-dir (or delete its checkpoint-* folders)")
 
 
 UNIFIEDREWARD_NOTE = ("the paper's FLUX.1-dev run also trains on UnifiedReward, a VLM judge on a server: "
@@ -1065,16 +1079,23 @@ def load_prompts(path):
     (GenEval's format). An empty, non-UTF-8 or malformed file is refused with its line number."""
     if not path:
         return list(DEFAULT_PROMPTS), [{} for _ in DEFAULT_PROMPTS]
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in (".json", ".ndjson", ".csv", ".tsv", ".parquet", ".yaml"):
+        raise UsageError(f"prompt file {path}: prompts are read from .txt (one per line) or .jsonl (one object per "
+                         f"line), not {suffix}")
     prompts, metadata = [], []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8").strip()
+                line = raw.decode("utf-8").lstrip("\ufeff").strip()   # and the byte-order mark some editors write
             except UnicodeDecodeError:
                 raise UsageError(f"prompt file {path}, line {number}: not UTF-8 text") from None
             if not line:
                 continue
-            if not path.endswith(".jsonl"):
+            if suffix != ".jsonl":
+                if not prompts and line.startswith("{") and line.endswith("}"):   # its metadata would be lost
+                    raise UsageError(f"prompt file {path}, line {number}: a JSON object in a text file; name the "
+                                     "file .jsonl to read each line's prompt and metadata")
                 prompts.append(line)
                 metadata.append({})
                 continue
@@ -2107,7 +2128,8 @@ def load_weights(directory, family, args):
 
 def load_training_state(directory, run):
     """Restore AdamW (and fp16's loss scale) into the optimizer built over the wrapped model. FSDP's sharded
-    states are resharded by torch.distributed.checkpoint, so a resume may use another number of processes."""
+    states are resharded by torch.distributed.checkpoint, so a resume may use another number of processes. The
+    learning rate and weight decay are this launch's flags: a resume may change them."""
     if run.args.fsdp:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -2118,6 +2140,8 @@ def load_training_state(directory, run):
     else:
         run.optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), map_location=run.device,
                                                  weights_only=True))
+    for group in run.optimizer.param_groups:  # this launch's --lr and --weight-decay, not the checkpoint's
+        group["lr"], group["weight_decay"] = run.args.lr, run.args.weight_decay
     if run.scaler is not None and os.path.isfile(os.path.join(directory, "scaler.pt")):
         run.scaler.load_state_dict(torch.load(os.path.join(directory, "scaler.pt"), weights_only=True))
 

@@ -733,6 +733,44 @@ def relative_position(a, b):
         ({"above"} if dy < -0.5 else set()) | ({"below"} if dy > 0.5 else set())
 
 
+GENEVAL_RELATIONS = ("left of", "right of", "above", "below")
+
+
+def geneval_clause_problem(clause, kind, index):
+    """What makes one include / exclude clause unusable, or None (geneval_metadata_problem's, clause by clause)."""
+    where = f"{kind} clause {index}"
+    if not isinstance(clause, dict) or clause.get("class") not in GENEVAL_CLASSES:
+        name = clause.get("class") if isinstance(clause, dict) else clause
+        return f"{where}: class {name!r} is none of GenEval's 80 (reward.GENEVAL_CLASSES)"
+    count = clause.get("count")
+    if type(count) is not int or count < 1:
+        return f"{where}: count {count!r} is not a whole number >= 1"
+    if "color" in clause and clause["color"] not in GENEVAL_COLORS:
+        return f"{where}: color {clause['color']!r} is none of {', '.join(GENEVAL_COLORS)}"
+    position = clause.get("position")
+    if "position" in clause and not (kind == "include" and isinstance(position, list) and len(position) == 2
+                                     and position[0] in GENEVAL_RELATIONS and type(position[1]) is int
+                                     and 0 <= position[1] < index):
+        return (f"{where}: position {position!r} is not [relation, j] with a relation of "
+                f"{', '.join(GENEVAL_RELATIONS)} and j an earlier include clause")
+    return None
+
+
+def geneval_metadata_problem(metadata):
+    """What makes one prompt's GenEval metadata unusable, as a message, or None. A class, colour or relation GenEval
+    does not know would never be found (the prompt would score 0 every time and never train), and a position refers
+    to an earlier include clause."""
+    include = metadata.get("include") if isinstance(metadata, dict) else None
+    if not isinstance(include, list) or not include:
+        return 'no "include" clauses'
+    exclude = metadata.get("exclude", [])
+    if not isinstance(exclude, list):
+        return f'"exclude" is {exclude!r}, not a list of clauses'
+    problems = [geneval_clause_problem(clause, kind, i)
+                for kind, clauses in (("include", include), ("exclude", exclude)) for i, clause in enumerate(clauses)]
+    return next(filter(None, problems), None)
+
+
 def geneval_rules(metadata, objects, colours_of):
     """GenEval's verdict on one image -> (correct, partial).
 
@@ -889,9 +927,11 @@ class GenEval:
         verdict is kept, so that geneval and geneval_partial in one spec detect each image once."""
         if self.last is not None and self.last[0] is images and self.last[1] == metadata:
             return self.last[2]
-        if not all(meta and "include" in meta for meta in metadata):
+        problem = next(filter(None, map(geneval_metadata_problem, metadata)), None)
+        if problem:
             raise RewardError("reward 'geneval' needs GenEval metadata for every prompt (a .jsonl prompt file "
-                              'whose lines hold "tag", "include" and "exclude", as prompts/geneval_train.jsonl)')
+                              'whose lines hold "tag", "include" and "exclude", as prompts/geneval_train.jsonl): '
+                              f"{problem}")
         correct, partial = [], []
         for image, meta, found in zip(images, metadata, self.detect(images)):
             objects = geneval_objects([(GENEVAL_CLASSES[c], s, b, m) for c, s, b, m in found], meta.get("tag"))
@@ -1054,6 +1094,28 @@ def load_ocr(device, dtype=None):
         return "".join(text for _, text, _ in result or [])
 
     return ocr_reward(read_text)
+
+
+def prompt_file_problem(reward_names, prompts, metadata):
+    """The first prompt that a reward of `reward_names` cannot score, as a message, or None: checked when a run
+    starts, so that a prompt the training would draw hours in fails at once. GenEval needs usable metadata on every
+    prompt, the digit rewards one digit per prompt; the ocr reward needs some prompt with a text to render (one
+    without scores 0, which is allowed, but a file of them trains on nothing)."""
+    for number, (prompt, meta) in enumerate(zip(prompts, metadata), 1):
+        if set(reward_names) & {"geneval", "geneval_partial", "geneval_partial_jpeg"}:
+            problem = geneval_metadata_problem(meta)
+            if problem:
+                return f"prompt {number} ({prompt!r}) has no usable GenEval metadata: {problem}"
+        if set(reward_names) & {"digit", "digit_correct", "digit_knn"}:
+            try:
+                prompted_digit(prompt, meta)
+            except RewardError as e:
+                return f"prompt {number}: {e}"
+    if "ocr" in reward_names and not any(meta.get("text") is not None or quoted_text(prompt) is not None
+                                         for prompt, meta in zip(prompts, metadata)):
+        return ('no prompt quotes a text to render (nor gives it as {"text": ...}): the ocr reward would be 0 for '
+                "every image")
+    return None
 
 
 # --------------------------------------------------------------------------- remote and user rewards

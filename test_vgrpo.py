@@ -772,6 +772,8 @@ def test_bad_input_is_one_clear_line(flags, message, tmp_path):
     (["--adv-std-floor", "-1"], "--beta, --adv-soft-clip, --adv-std-floor and --weight-decay non-negative"),
     (["--weight-decay", "-0.01"], "--beta, --adv-soft-clip, --adv-std-floor and --weight-decay non-negative"),
     (["--beta", "0", "--adv-soft-clip", "0", "--adv-std-floor", "0", "--weight-decay", "0"], None),
+    (["--guidance", "-1"], "--guidance must be >= 0, got -1"),
+    (["--guidance", "0"], None),
     (["--device", "cuda:1"], "unknown --device 'cuda:1': valid choices are auto, cpu, cuda"),
     (["--device", "gpu"], "unknown --device 'gpu': valid choices are auto, cpu, cuda"),
     (["--device", "cpu"], None),
@@ -861,12 +863,68 @@ def test_held_out_prompts_given_are_evaluated_every_20_iterations_unless_told_ot
     assert vgrpo.parse_args(["--model", "digits", "--eval-every", "0"]).eval_every == 0
 
 
+@pytest.mark.parametrize("flags,lines,problem", [
+    (["--preset", "sd3-geneval"], ['{"prompt": "a dog", "include": [{"class": "dog", "count": 1}]}',
+                                   '{"prompt": "a mouse", "include": [{"class": "mouse", "count": 1}]}'],
+     "prompt 2 ('a mouse') has no usable GenEval metadata: include clause 0: class 'mouse' is none of GenEval's 80"),
+    (["--preset", "sd3-geneval"], ['{"prompt": "a dog"}'], "prompt 1 ('a dog') has no usable GenEval metadata: no"),
+    (["--model", "digits"], ['{"prompt": "the number seven"}', '{"prompt": "a cat"}'],
+     "prompt 2: digit rewards: prompt 'a cat' names no digit"),
+    (["--preset", "sd3-ocr"], ['{"prompt": "a sign"}', '{"prompt": "a shop front"}'],
+     "no prompt quotes a text to render"),
+    (["--preset", "sd3-ocr"], ['{"prompt": "a sign"}', '{"prompt": "a shop front", "text": "OPEN"}'], None),
+    (["--preset", "sd3-ocr"], ['{"prompt": "a sign reading \\"OPEN\\""}'], None),
+])
+def test_prompts_the_reward_cannot_score_are_refused_before_any_model_loads(tmp_path, flags, lines, problem):
+    """A prompt GenEval or the digit rewards cannot score would fail only when training draws it (hours in); a file
+    in which no prompt names a text trains the ocr reward on zeros."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    args = vgrpo.parse_args([*flags, "--prompts", str(path), "--output-dir", str(tmp_path / "out")])
+    if problem is None:
+        vgrpo.validate(args, 1)
+        return
+    with pytest.raises(vgrpo.UsageError) as e:
+        vgrpo.validate(args, 1)
+    assert str(e.value).startswith(f"--prompts {path}: {problem}"), str(e.value)
+    held_out = vgrpo.parse_args([*flags, "--eval-prompts", str(path), "--output-dir", str(tmp_path / "out")])
+    with pytest.raises(vgrpo.UsageError, match=f"^--eval-prompts {re.escape(str(path))}: "):  # held-out prompts too
+        vgrpo.validate(held_out, 1)
+
+
+def test_a_flux_model_without_a_guidance_embedding_says_guidance_is_ignored(monkeypatch, capsys):
+    """FLUX.1 [schnell] has no guidance embedding: --guidance (3.5 by default) would do nothing without a word."""
+    build = vgrpo.build_tiny_flux_pipeline
+
+    def without_embedding(seed=0):
+        pipe = build(seed)
+        pipe.transformer.register_to_config(guidance_embeds=False)
+        return pipe
+
+    for tiny_flux, said in ((build, False), (without_embedding, True)):
+        monkeypatch.setattr(vgrpo, "build_tiny_flux_pipeline", tiny_flux)
+        family = vgrpo.load_family(vgrpo.parse_args(["--model", "tiny-flux"]), torch.device("cpu"))
+        assert (family.guidance is None) == said
+        assert ("no guidance embedding (as FLUX.1 [schnell]): --guidance 3.5 is ignored" in capsys.readouterr().err) \
+            == said
+
+
 def test_abbreviated_flags_are_refused(capsys):
     """argparse would take --bet for --beta: past --curriculum's refusal of the flags it sets stage by stage."""
     for argv in (["--model", "tiny", "--bet", "0.1"], ["--curriculum", "sd3", "--n-m", "2"]):
         with pytest.raises(SystemExit):
             vgrpo.parse_args(argv)
         assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_each_recipe_has_its_own_default_output_folder(tmp_path):
+    """runs/NAME: the README's commands one after another do not meet an earlier run's checkpoints (refused)."""
+    pipeline = tmp_path / "my-pipeline"
+    for argv, folder in (([], "digits"), (["--model", "tiny-flux"], "tiny-flux"), (["--preset", "sd3-geneval"],
+                         "sd3-geneval"), (["--curriculum", "sd3"], "sd3"),
+                         (["--model", "stabilityai/stable-diffusion-3.5-medium"], "stable-diffusion-3.5-medium"),
+                         (["--model", f"{pipeline}/"], "my-pipeline"), (["--output-dir", "x"], "x")):
+        assert vgrpo.parse_args(argv).output_dir == (os.path.join("runs", folder) if folder != "x" else "x"), argv
 
 
 def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_resume_auto_continues_it(tmp_path):

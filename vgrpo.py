@@ -155,7 +155,7 @@ class Args:
     offload_text_encoders: bool = arg(True, "keep the text encoders on the CPU except while new prompts are encoded "
                                             "(CUDA)")
     seed: int = arg(0, "seed: every random draw is keyed by (seed, iteration, prompt, member)")
-    output_dir: str = arg("runs/vgrpo", "where metrics.jsonl, sample grids and checkpoints go")
+    output_dir: str = arg(None, "metrics, samples, checkpoints (default runs/NAME: --curriculum, --preset or --model)")
     resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in "
                           "--output-dir")
     save_every: int = arg(None, "save a checkpoint every N iterations and at the end (25 real models, 80 digits, "
@@ -716,6 +716,9 @@ def resolve_defaults(args, world_size):
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
         args.micro_batch = math.gcd(local_minibatch(args, world_size), 16 if is_tiny(args.model) else 4)
+    if args.output_dir is None:   # one folder per recipe: the README's commands one after another do not collide
+        name = os.path.basename(os.path.normpath(args.curriculum or args.preset or args.model))
+        args.output_dir = os.path.join("runs", name.removesuffix(".json"))
     if args.resume == "auto":
         args.resume = latest_checkpoint(args.output_dir) or ""  # nothing saved yet: start from scratch
     return args
@@ -875,6 +878,8 @@ def check_sizes(args, world_size):
                                                                    args.adv_std_floor, args.weight_decay) < 0:
         raise UsageError("--clip-eps, --lr and --max-grad-norm must be positive (a clip at 0 zeroes every gradient); "
                          "--beta, --adv-soft-clip, --adv-std-floor and --weight-decay non-negative")
+    if args.guidance < 0:
+        raise UsageError(f"--guidance must be >= 0, got {args.guidance:g} (SD3: 1 or less is no CFG)")
     if args.resolution < 16 or args.resolution % 16:
         raise UsageError(f"--resolution must be a positive multiple of 16, got {args.resolution}")
     if args.eval_every < 0 or args.eval_images < 1 or (args.eval_every and not args.eval_prompts):
@@ -892,10 +897,17 @@ def check_prompt_files(args):
     if not args.prompts and not is_tiny(args.model):   # "" (an unset shell variable?): the tiny models' 12 prompts
         raise UsageError("--prompts is empty: give a prompt file (.txt or .jsonl); only the tiny test models have "
                          "built-in prompts")
-    for flag, path in (("--prompts", args.prompts), ("--eval-prompts", args.eval_prompts)):
+    stage = f" (stage {args.preset})" if args.preset and args.curriculum else ""
+    for flag, path, spec in (("--prompts", args.prompts, args.reward),
+                             ("--eval-prompts", args.eval_prompts if args.eval_every else "",
+                              args.eval_rewards or args.reward)):
         if path and not os.path.isfile(path):
-            raise UsageError(f"{flag}: prompt file not found: {path}" + (f" (stage {args.preset})" if args.preset
-                                                                         and args.curriculum else ""))
+            raise UsageError(f"{flag}: prompt file not found: {path}{stage}")
+        if path:   # what its rewards need of every prompt, now rather than when training draws it
+            names = [name for name, _ in rewards_lib.parse_reward_spec(spec)]
+            problem = rewards_lib.prompt_file_problem(names, *load_prompts(path))
+            if problem:
+                raise UsageError(f"{flag} {path}{stage}: {problem}")
 
 
 def check_curriculum(args):
@@ -1546,6 +1558,8 @@ def load_family(args, device):
     if kind == "flux":
         kw["guidance"] = args.guidance
     family = PIPELINES[kind][1](pipe, args.resolution, max_len, device, **kw)
+    if kind == "flux" and family.guidance is None and args.guidance != 1:
+        note(f"{args.model} has no guidance embedding (as FLUX.1 [schnell]): --guidance {args.guidance:g} is ignored")
     if kind == "flux2-klein" and not family.cfg and args.guidance > 1:
         note(f"{args.model} is step-distilled: it takes no guidance (--guidance {args.guidance:g} is ignored) and is "
              "made for --sample-steps 4")

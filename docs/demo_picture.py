@@ -1,6 +1,6 @@
 """The README's picture of the CPU demo: a run's held-out grid before training and after it, side by side.
 
-    python vgrpo.py --output-dir runs/demo && python docs/demo_picture.py runs/demo docs/demo.png
+    rm -rf runs/demo && python vgrpo.py --output-dir runs/demo && python docs/demo_picture.py runs/demo docs/demo.png
 
 Reads RUN/samples/eval-00000.png and the last evaluation's grid (save_sample_grid's layout: one row per prompt,
 a caption above and a reward below every image) and RUN/eval.jsonl (the accuracies in the heading). Each image is

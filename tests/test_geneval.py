@@ -342,6 +342,44 @@ def test_geneval_without_metadata_is_one_clear_error(judge):
 # --------------------------------------------------------------------------- the shipped training prompts
 
 
+_DOG = {"class": "dog", "count": 1}
+
+
+@pytest.mark.parametrize("metadata,problem", [
+    ({"tag": "two_object", "include": [_DOG, {"class": "cat", "count": 2, "color": "black",
+                                              "position": ["left of", 0]}], "exclude": [{"class": "cat", "count": 3}]},
+     None),
+    ({"tag": "single_object", "include": [_DOG]}, None),                       # "exclude" may be left out
+    (None, 'no "include" clauses'),
+    ({"tag": "x", "include": []}, 'no "include" clauses'),
+    ({"include": [{"class": "mouse", "count": 1}]}, "include clause 0: class 'mouse' is none of GenEval's 80"),
+    ({"include": [_DOG], "exclude": [{"class": "TV", "count": 1}]}, "exclude clause 0: class 'TV' is none"),
+    ({"include": [{"class": "dog", "count": 0}]}, "include clause 0: count 0 is not a whole number >= 1"),
+    ({"include": [{"class": "dog", "count": "2"}]}, "count '2' is not"),
+    ({"include": [{"class": "dog", "count": True}]}, "count True is not"),
+    ({"include": [{"class": "dog"}]}, "count None is not"),
+    ({"include": [{"class": "dog", "count": 1, "color": "gray"}]}, "include clause 0: color 'gray' is none of red,"),
+    ({"include": [_DOG, dict(_DOG, position=["left_of", 0])]}, "include clause 1: position ['left_of', 0] is not"),
+    ({"include": [_DOG, dict(_DOG, position=["above", 1])]}, "position ['above', 1] is not [relation, j]"),
+    ({"include": [dict(_DOG, position=["above", 0])]}, "include clause 0: position ['above', 0]"),
+    ({"include": [_DOG], "exclude": [dict(_DOG, position=["above", 0])]}, "exclude clause 0: position"),
+    ({"include": [_DOG], "exclude": {"class": "dog", "count": 2}}, '"exclude" is {'),
+])
+def test_geneval_metadata_that_could_never_match_is_named(metadata, problem):
+    """A class, colour or relation GenEval does not know is never found: such a prompt scores 0 every time and never
+    trains; a position must name an earlier include clause (the rules index the clauses matched so far)."""
+    got = reward.geneval_metadata_problem(metadata)
+    assert got is None if problem is None else problem in (got or ""), got
+
+
+def test_the_judge_names_the_metadata_problem(judge):
+    fn = reward.load_reward("geneval")
+    with pytest.raises(reward.RewardError, match=r"needs GenEval metadata for every prompt .*: include clause 0: "
+                                                 r"class 'mouse' is none"):
+        fn(torch.rand(2, 3, 16, 16), ["a dog", "a mouse"], [{"include": [_DOG]}, {"include": [{"class": "mouse",
+                                                                                                "count": 1}]}])
+
+
 def test_the_shipped_training_prompts_are_in_genevals_format_and_are_the_scripts_output(tmp_path):
     import json
     import sys
@@ -352,6 +390,7 @@ def test_the_shipped_training_prompts_are_in_genevals_format_and_are_the_scripts
 
     with open(os.path.join(root, "prompts", "geneval_train.jsonl")) as f:
         lines = [json.loads(line) for line in f]
+    assert [reward.geneval_metadata_problem(line) for line in lines] == [None] * len(lines)
     tags = {line["tag"] for line in lines}
     assert tags == {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
     for line in lines:

@@ -327,12 +327,13 @@ def test_a_run_logs_the_share_of_answers_without_a_score(served_judge, tmp_path)
         assert "an answer without 'Final Score: 1-5', scored 0" in proc.stderr
 
 
-def test_flux_preference_says_how_to_add_the_papers_fourth_reward(capsys, monkeypatch):
+def test_flux_preference_says_how_to_add_the_papers_fourth_reward(capsys, monkeypatch, tmp_path):
     import vgrpo
 
     monkeypatch.delenv("RANK", raising=False)
-    vgrpo.validate(vgrpo.parse_args(["--preset", "flux-preference"]), 1)
+    out = ["--output-dir", str(tmp_path)]
+    vgrpo.validate(vgrpo.parse_args(["--preset", "flux-preference", *out]), 1)
     assert "vllm serve CodeGoat24/UnifiedReward-qwen-7b" in capsys.readouterr().err
     spec = "hpsv2:1,pickscore:1,imagereward:1,unifiedreward@http://localhost:8000/v1"
-    vgrpo.validate(vgrpo.parse_args(["--preset", "flux-preference", "--reward", spec]), 1)
+    vgrpo.validate(vgrpo.parse_args(["--preset", "flux-preference", "--reward", spec, *out]), 1)
     assert "UnifiedReward" not in capsys.readouterr().err

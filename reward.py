@@ -217,9 +217,8 @@ def load_clipscore(device, dtype=None):
 
 
 def _hub_file(repo, filename, reward_name):
-    """A file from the Hugging Face hub (or the local path `filename`), with one clear error if unavailable."""
-    if os.path.isfile(filename):
-        return filename
+    """A file from the Hugging Face hub, with one clear error if unavailable (never a file of that name in the
+    working directory: an ImageReward.pt or med_config.json lying there would be used without a word)."""
     from huggingface_hub import hf_hub_download
 
     try:
@@ -355,7 +354,9 @@ def load_aesthetic(device, dtype=None):
     """
     model, processor = _load_clip(AESTHETIC_CLIP, AESTHETIC_CLIP, "aesthetic", device)
     mlp = AestheticMLP()
-    state_dict = _read_checkpoint(_hub_file(AESTHETIC_REPO, AESTHETIC_FILE, "aesthetic"), "aesthetic")
+    local = os.path.isfile(AESTHETIC_FILE)     # VGRPO_AESTHETIC_FILE may name a local .pth
+    path = AESTHETIC_FILE if local else _hub_file(AESTHETIC_REPO, AESTHETIC_FILE, "aesthetic")
+    state_dict = _read_checkpoint(path, "aesthetic")
     mlp.load_state_dict(state_dict.get("state_dict", state_dict))
     return aesthetic_reward(model, processor, mlp, device, dtype)
 

@@ -772,6 +772,10 @@ def test_bad_input_is_one_clear_line(flags, message, tmp_path):
     (["--adv-std-floor", "-1"], "--beta, --adv-soft-clip, --adv-std-floor and --weight-decay non-negative"),
     (["--weight-decay", "-0.01"], "--beta, --adv-soft-clip, --adv-std-floor and --weight-decay non-negative"),
     (["--beta", "0", "--adv-soft-clip", "0", "--adv-std-floor", "0", "--weight-decay", "0"], None),
+    (["--no-full-finetune", "--lora-alpha", "0"], "--lora-rank must be at least 1 and --lora-alpha positive"),
+    (["--no-full-finetune", "--lora-rank", "0"], "--lora-rank must be at least 1 and --lora-alpha positive"),
+    (["--no-full-finetune", "--lora-rank", "1", "--lora-alpha", "0.5"], None),
+    (["--full-finetune", "--lora-alpha", "0"], None),                    # no adapters: the LoRA flags do nothing
     (["--guidance", "-1"], "--guidance must be >= 0, got -1"),
     (["--guidance", "0"], None),
     (["--device", "cuda:1"], "unknown --device 'cuda:1': valid choices are auto, cpu, cuda"),

@@ -854,6 +854,9 @@ def check_sizes(args, world_size):
                  "sample_batch", "decode_batch"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not args.full_finetune and (args.lora_rank < 1 or args.lora_alpha <= 0):
+        raise UsageError(f"--lora-rank must be at least 1 and --lora-alpha positive (the adapters are scaled by "
+                         f"alpha / rank: 0 trains nothing), got {args.lora_rank} and {args.lora_alpha:g}")
     if args.group_size < 2:
         raise UsageError(f"--group-size must be at least 2 (advantages compare samples of a prompt), "
                          f"got {args.group_size}")

@@ -664,6 +664,31 @@ def test_a_cache_lacking_one_of_a_rewards_repositories_names_that_one_and_how_to
     assert not [repo for repo in others - {missing} if repo in message], message
 
 
+def test_a_file_named_like_a_checkpoint_in_the_working_directory_is_not_taken_for_it(use_hub_cache, monkeypatch,
+                                                                                      tmp_path):
+    """ImageReward.pt, med_config.json or HPSv2's checkpoint lying in the working directory is not the hub's."""
+    monkeypatch.chdir(tmp_path)
+    for name in (reward.IMAGEREWARD_FILE, reward.IMAGEREWARD_CONFIG, reward.HPS_FILE):
+        (tmp_path / name).write_text("not a checkpoint")
+    images = torch.rand(2, 3, 32, 32)
+    for name in ("imagereward", "hpsv2"):
+        assert reward.load_reward(name)(images, ["a cat", "a dog"]).shape == (2,)
+
+
+def test_the_aesthetic_head_may_be_a_local_file(use_hub_cache, monkeypatch, tmp_path):
+    """VGRPO_AESTHETIC_FILE may name a local .pth (read when reward.py is imported, so patched here as its value)."""
+    from huggingface_hub import hf_hub_download
+
+    head = torch.load(hf_hub_download(reward.AESTHETIC_REPO, reward.AESTHETIC_FILE), weights_only=True)
+    images = torch.rand(2, 3, 32, 32)
+    want = reward.load_reward("aesthetic")(images, ["a", "b"])
+    head = {k: 2 * v if k == "layers.7.bias" else v for k, v in head.items()}   # the last layer's bias doubled
+    torch.save(head, tmp_path / "mine.pth")
+    monkeypatch.setattr(reward, "AESTHETIC_FILE", str(tmp_path / "mine.pth"))
+    got = reward.load_reward("aesthetic")(images, ["a", "b"])
+    torch.testing.assert_close(got - want, head["layers.7.bias"].expand(2) / 2)
+
+
 @pytest.mark.parametrize("name,repo,filename", [("hpsv2", reward.HPS_REPO, reward.HPS_FILE),
                                                 ("aesthetic", reward.AESTHETIC_REPO, reward.AESTHETIC_FILE),
                                                 ("imagereward", reward.IMAGEREWARD_REPO, reward.IMAGEREWARD_FILE)])

@@ -1388,6 +1388,20 @@ def _split_weight(item):
     return name, weight
 
 
+def check_reward_url(url):
+    """ValueError for a reward server's URL that cannot be right: no host, or a port that is no number (a weight
+    written after the port, http://host:8000:0.5, where a path must come first: http://host:8000/score:0.5)."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - reading it checks it
+    except ValueError:
+        raise ValueError(f"{url}: the port is not a number (a weight goes after the path: .../score:0.5)") from None
+    if not parts.hostname:
+        raise ValueError(f"{url}: no host (expected http(s)://host:port/path)")
+
+
 def parse_reward_spec(spec):
     """'pickscore:1,clipscore:0.5' -> [('pickscore', 1.0), ('clipscore', 0.5)]; ValueError if malformed.
     Besides registry names: unifiedreward@http(s)://host:port/v1[?model=ID][:w] (UnifiedReward on an OpenAI-compatible
@@ -1400,7 +1414,9 @@ def parse_reward_spec(spec):
                 raise ValueError(f"reward file not found: {name.partition('.py:')[0]}.py")
         elif name.startswith("unifiedreward@"):
             parse_unifiedreward_spec(name)
-        elif not name.startswith(("http://", "https://")) and name not in REWARDS:
+        elif name.startswith(("http://", "https://")):
+            check_reward_url(name)
+        elif name not in REWARDS:
             raise ValueError(f"unknown reward '{name}' in --reward {spec!r}; valid names: {', '.join(REWARDS)}, "
                              "unifiedreward@http(s)://host:port/v1, http(s)://host:port/path or file.py:function")
         try:

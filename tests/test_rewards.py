@@ -109,6 +109,11 @@ def test_reward_spec_errors():
         reward.parse_reward_spec("/no/such/rewards.py:mean")
     assert reward.parse_reward_spec("pickscore:1,clipscore:0.5") == [("pickscore", 1.0), ("clipscore", 0.5)]
     assert reward.parse_reward_spec("jpeg:-0.5") == [("jpeg", -0.5)]   # a negative weight penalises: allowed
+    for url, problem in (("http://h:8000:0.5", "the port is not a number"), ("http://:8000/score", "no host")):
+        with pytest.raises(ValueError, match=f"^{re.escape(url)}: {problem}"):
+            reward.parse_reward_spec(url)
+    assert reward.parse_reward_spec("http://h:8000/score:0.5,http://h:8000") == [("http://h:8000/score", 0.5),
+                                                                                ("http://h:8000", 1.0)]
     bad = reward.WeightedReward([("broken", 1.0, lambda images, prompts: torch.zeros(len(images) + 1))])
     with pytest.raises(reward.RewardError, match="'broken'"):
         bad(torch.zeros(2, 3, 8, 8), ["", ""])

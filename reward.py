@@ -41,7 +41,7 @@ AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
 # variables VGRPO_AESTHETIC_REPO / VGRPO_AESTHETIC_FILE (a local .pth path works as VGRPO_AESTHETIC_FILE too).
 AESTHETIC_REPO = os.environ.get("VGRPO_AESTHETIC_REPO", "camenduru/improved-aesthetic-predictor")
 AESTHETIC_FILE = os.environ.get("VGRPO_AESTHETIC_FILE", "sac+logos+ava1-l14-linearMSE.pth")
-CONFIG_FILES = " --include '*.json' '*.txt'"   # `hf download` of a repository's configs, processor and tokenizer
+HF_INCLUDE_CONFIGS = " --include '*.json' '*.txt'"   # `hf download` of a repository's configs, processor and tokenizer
 
 
 class RewardError(Exception):
@@ -172,14 +172,14 @@ def lacks_vocabulary(tokenizer):
     return not ids or (tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids)
 
 
-def _from_hub(reward_name, repo, load, files=""):
+def _from_hub(reward_name, repo, load, include=""):
     """load(repo), a transformers / diffusers `from_pretrained`; a repository missing from the cache (or broken in
     it, a tokenizer without its vocabulary included) becomes one RewardError naming it and the command that fetches
-    it (`files`: the files that suffice)."""
+    it (`include`: `hf download`'s option naming the files that suffice)."""
     from safetensors import SafetensorError     # a weights file cut short
     from transformers import PreTrainedTokenizerBase
 
-    fetch = f"download it first (`hf download {repo}{files}`) or run with network access"
+    fetch = f"download it first (`hf download {repo}{include}`) or run with network access"
     try:
         loaded = load(repo)
     except (OSError, ValueError, SafetensorError) as e:
@@ -196,8 +196,8 @@ def _load_clip(model_id, processor_id, reward_name, device):
     from transformers import CLIPModel, CLIPProcessor
 
     model = _from_hub(reward_name, model_id, CLIPModel.from_pretrained)
-    files = "" if processor_id == model_id else CONFIG_FILES     # only the processor of another repository
-    return model, _from_hub(reward_name, processor_id, CLIPProcessor.from_pretrained, files)
+    include = "" if processor_id == model_id else HF_INCLUDE_CONFIGS     # only the processor of another repository
+    return model, _from_hub(reward_name, processor_id, CLIPProcessor.from_pretrained, include)
 
 
 def load_pickscore(device, dtype=None):
@@ -234,8 +234,9 @@ def _read_checkpoint(path, reward_name):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001  (zip, unpickling and EOF errors, depending on where the file breaks)
-        raise RewardError(f"reward '{reward_name}': {path} could not be read ({type(e).__name__}); delete it and "
-                          "download it again") from None
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        raise RewardError(f"reward '{reward_name}': {path} could not be read ({type(e).__name__}: {first_line}); if "
+                          "its download was cut short, delete it and download it again") from None
 
 
 def openclip_to_transformers(state_dict):
@@ -301,8 +302,9 @@ def load_hpsv2(device, dtype=None):
     checkpoint = _read_checkpoint(_hub_file(HPS_REPO, HPS_FILE, "hpsv2"), "hpsv2")
     state_dict = checkpoint.get("state_dict", checkpoint)
     state_dict = {k.removeprefix("module."): v.float() for k, v in state_dict.items()}
-    config = _from_hub("hpsv2", HPS_BACKBONE, CLIPConfig.from_pretrained, CONFIG_FILES)   # its config and processor
-    processor = _from_hub("hpsv2", HPS_BACKBONE, CLIPProcessor.from_pretrained, CONFIG_FILES)
+    # the backbone's config and processor only: the weights are HPSv2's
+    config = _from_hub("hpsv2", HPS_BACKBONE, CLIPConfig.from_pretrained, HF_INCLUDE_CONFIGS)
+    processor = _from_hub("hpsv2", HPS_BACKBONE, CLIPProcessor.from_pretrained, HF_INCLUDE_CONFIGS)
     # OpenCLIP's ViT-H-14 uses the exact GELU (only OpenAI's CLIP models use quick_gelu)
     config.text_config.hidden_act = config.vision_config.hidden_act = "gelu"
     model = CLIPModel(config)
@@ -354,7 +356,7 @@ def load_aesthetic(device, dtype=None):
     """
     model, processor = _load_clip(AESTHETIC_CLIP, AESTHETIC_CLIP, "aesthetic", device)
     mlp = AestheticMLP()
-    local = os.path.isfile(AESTHETIC_FILE)     # VGRPO_AESTHETIC_FILE may name a local .pth
+    local = "VGRPO_AESTHETIC_FILE" in os.environ and os.path.isfile(AESTHETIC_FILE)   # it may name a local .pth
     path = AESTHETIC_FILE if local else _hub_file(AESTHETIC_REPO, AESTHETIC_FILE, "aesthetic")
     state_dict = _read_checkpoint(path, "aesthetic")
     mlp.load_state_dict(state_dict.get("state_dict", state_dict))
@@ -554,10 +556,11 @@ def load_imagereward(device, dtype=None):
     with open(_hub_file(IMAGEREWARD_REPO, IMAGEREWARD_CONFIG, "imagereward")) as f:
         med_config = json.load(f)
     tokenizer = imagereward_tokenizer(_from_hub("imagereward", IMAGEREWARD_TOKENIZER, BertTokenizer.from_pretrained,
-                                                CONFIG_FILES))    # the tokenizer alone
+                                                HF_INCLUDE_CONFIGS))    # the tokenizer alone
     if len(tokenizer) != med_config.get("vocab_size"):
         raise RewardError(f"reward 'imagereward': the {IMAGEREWARD_TOKENIZER} tokenizer has {len(tokenizer)} tokens "
-                          f"with [DEC] and [ENC], {IMAGEREWARD_CONFIG} {med_config.get('vocab_size')}")
+                          f"with [DEC] and [ENC], but {IMAGEREWARD_CONFIG}'s vocab_size is "
+                          f"{med_config.get('vocab_size')}")
     model = imagereward_model(_read_checkpoint(path, "imagereward"), med_config, source=path)
     return imagereward_reward(model, tokenizer, device, dtype)
 
@@ -635,7 +638,9 @@ def prompted_digit(prompt, metadata=None):
     """The digit a prompt asks for: metadata["digit"] when the prompt file gives it, else the one digit word
     ("seven") or numeral ("7") in the prompt; RewardError when there is none or more than one."""
     if metadata and metadata.get("digit") is not None:
-        return int(metadata["digit"])
+        if type(metadata["digit"]) is not int or not 0 <= metadata["digit"] <= 9:
+            raise RewardError(f'digit rewards: prompt {prompt!r} gives "digit": {metadata["digit"]!r}, not 0-9')
+        return metadata["digit"]
     words = re.findall(r"[a-z]+|\d", prompt.lower())
     found = {DIGIT_WORDS.index(w) if w in DIGIT_WORDS else int(w) for w in words if w in DIGIT_WORDS or w.isdigit()}
     if len(found) != 1:
@@ -740,9 +745,10 @@ GENEVAL_RELATIONS = ("left of", "right of", "above", "below")
 def geneval_clause_problem(clause, kind, index):
     """What makes one include / exclude clause unusable, or None (geneval_metadata_problem's, clause by clause)."""
     where = f"{kind} clause {index}"
-    if not isinstance(clause, dict) or clause.get("class") not in GENEVAL_CLASSES:
-        name = clause.get("class") if isinstance(clause, dict) else clause
-        return f"{where}: class {name!r} is none of GenEval's 80 (reward.GENEVAL_CLASSES)"
+    if not isinstance(clause, dict):
+        return f'{where}: {clause!r} is not an object {{"class": ..., "count": ...}}'
+    if clause.get("class") not in GENEVAL_CLASSES:
+        return f"{where}: class {clause.get('class')!r} is none of GenEval's 80 (reward.GENEVAL_CLASSES)"
     count = clause.get("count")
     if type(count) is not int or count < 1:
         return f"{where}: count {count!r} is not a whole number >= 1"
@@ -1102,12 +1108,14 @@ def prompt_file_problem(reward_names, prompts, metadata):
     starts, so that a prompt the training would draw hours in fails at once. GenEval needs usable metadata on every
     prompt, the digit rewards one digit per prompt; the ocr reward needs some prompt with a text to render (one
     without scores 0, which is allowed, but a file of them trains on nothing)."""
+    geneval = set(reward_names) & {"geneval", "geneval_partial", "geneval_partial_jpeg"}
+    digits = set(reward_names) & {"digit", "digit_correct", "digit_knn"}
     for number, (prompt, meta) in enumerate(zip(prompts, metadata), 1):
-        if set(reward_names) & {"geneval", "geneval_partial", "geneval_partial_jpeg"}:
+        if geneval:
             problem = geneval_metadata_problem(meta)
             if problem:
                 return f"prompt {number} ({prompt!r}) has no usable GenEval metadata: {problem}"
-        if set(reward_names) & {"digit", "digit_correct", "digit_knn"}:
+        if digits:
             try:
                 prompted_digit(prompt, meta)
             except RewardError as e:

@@ -834,7 +834,7 @@ def test_prompt_files_are_read_by_their_suffix_and_json_in_a_text_file_is_refuse
     line = '{"prompt": "a cat", "tag": "animals"}\n'
     (tmp_path / "p.JSONL").write_text(line)
     assert vgrpo.load_prompts(str(tmp_path / "p.JSONL")) == (["a cat"], [{"prompt": "a cat", "tag": "animals"}])
-    for name in ("p.json", "p.csv"):
+    for name in ("p.json", "p.csv"):   # would train on the lines' raw text
         (tmp_path / name).write_text(line)
         with pytest.raises(vgrpo.UsageError, match=rf"prompts are read from .txt \(one per line\) or .jsonl .*, not "
                                                    rf"\.{name[2:]}$"):
@@ -842,8 +842,10 @@ def test_prompt_files_are_read_by_their_suffix_and_json_in_a_text_file_is_refuse
     (tmp_path / "p.txt").write_text("\n" + line)
     with pytest.raises(vgrpo.UsageError, match=r"p.txt, line 2: a JSON object in a text file; name the file .jsonl"):
         vgrpo.load_prompts(str(tmp_path / "p.txt"))
-    (tmp_path / "p.txt").write_bytes("\ufeffa red cat\n{curly} braces later are text\n".encode())
-    assert vgrpo.load_prompts(str(tmp_path / "p.txt"))[0] == ["a red cat", "{curly} braces later are text"]
+    (tmp_path / "p.txt").write_bytes("\ufeff{subject} in oil, {style}\n{}\n".encode())   # text that is no object
+    assert vgrpo.load_prompts(str(tmp_path / "p.txt"))[0] == ["{subject} in oil, {style}", "{}"]
+    (tmp_path / "p.ndjson").write_text(line)                                        # JSON lines by another name
+    assert vgrpo.load_prompts(str(tmp_path / "p.ndjson"))[1] == [{"prompt": "a cat", "tag": "animals"}]
 
 
 def test_an_empty_prompts_flag_is_refused_for_real_models_only(tmp_path):
@@ -874,6 +876,8 @@ def test_held_out_prompts_given_are_evaluated_every_20_iterations_unless_told_ot
     (["--preset", "sd3-geneval"], ['{"prompt": "a dog"}'], "prompt 1 ('a dog') has no usable GenEval metadata: no"),
     (["--model", "digits"], ['{"prompt": "the number seven"}', '{"prompt": "a cat"}'],
      "prompt 2: digit rewards: prompt 'a cat' names no digit"),
+    (["--model", "digits"], ['{"prompt": "a digit", "digit": "seven"}'], """gives "digit": 'seven', not 0-9"""),
+    (["--model", "digits"], ['{"prompt": "a digit", "digit": 12}'], """gives "digit": 12, not 0-9"""),
     (["--preset", "sd3-ocr"], ['{"prompt": "a sign"}', '{"prompt": "a shop front"}'],
      "no prompt quotes a text to render"),
     (["--preset", "sd3-ocr"], ['{"prompt": "a sign"}', '{"prompt": "a shop front", "text": "OPEN"}'], None),
@@ -890,7 +894,7 @@ def test_prompts_the_reward_cannot_score_are_refused_before_any_model_loads(tmp_
         return
     with pytest.raises(vgrpo.UsageError) as e:
         vgrpo.validate(args, 1)
-    assert str(e.value).startswith(f"--prompts {path}: {problem}"), str(e.value)
+    assert str(e.value).startswith(f"--prompts {path}: ") and problem in str(e.value), str(e.value)
     held_out = vgrpo.parse_args([*flags, "--eval-prompts", str(path), "--output-dir", str(tmp_path / "out")])
     with pytest.raises(vgrpo.UsageError, match=f"^--eval-prompts {re.escape(str(path))}: "):  # held-out prompts too
         vgrpo.validate(held_out, 1)
@@ -913,6 +917,31 @@ def test_a_flux_model_without_a_guidance_embedding_says_guidance_is_ignored(monk
             == said
 
 
+def test_a_curriculum_checks_its_held_out_prompts_against_the_runs_evaluation_rewards(tmp_path):
+    """Every stage evaluates with the run's --eval-rewards (default: the first stage's reward), so held-out prompts
+    without GenEval metadata are fine beside GenEval stages; with geneval as the evaluation reward they are not."""
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("a cat\n")
+    flags = ["--curriculum", "sd3", "--eval-prompts", str(held_out), "--output-dir", str(tmp_path / "out")]
+    vgrpo.validate(vgrpo.parse_args(flags), 8)
+    with pytest.raises(vgrpo.UsageError, match=f"^--eval-prompts {re.escape(str(held_out))}: prompt 1 .* no usable "
+                                               "GenEval metadata"):
+        vgrpo.validate(vgrpo.parse_args([*flags, "--eval-rewards", "geneval"]), 8)
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--max-grad-norm", "--weight-decay", "--clip-eps", "--guidance",
+                                  "--lora-alpha", "--beta", "--ema"])
+def test_a_float_flag_that_is_not_a_number_is_refused(tmp_path, flag):
+    """NaN passes every range check (each comparison is False); inf only makes sense as a clip."""
+    for value in ("nan", "inf", "-inf"):
+        args = vgrpo.parse_args(["--model", "tiny", f"{flag}={value}", "--output-dir", str(tmp_path)])
+        if flag == "--max-grad-norm" and value == "inf":
+            vgrpo.validate(args, 1)                                    # no clipping
+            continue
+        with pytest.raises(vgrpo.UsageError, match=f"^{flag} must be a finite number, got {value}$"):
+            vgrpo.validate(args, 1)
+
+
 def test_abbreviated_flags_are_refused(capsys):
     """argparse would take --bet for --beta: past --curriculum's refusal of the flags it sets stage by stage."""
     for argv in (["--model", "tiny", "--bet", "0.1"], ["--curriculum", "sd3", "--n-m", "2"]):
@@ -924,11 +953,16 @@ def test_abbreviated_flags_are_refused(capsys):
 def test_each_recipe_has_its_own_default_output_folder(tmp_path):
     """runs/NAME: the README's commands one after another do not meet an earlier run's checkpoints (refused)."""
     pipeline = tmp_path / "my-pipeline"
-    for argv, folder in (([], "digits"), (["--model", "tiny-flux"], "tiny-flux"), (["--preset", "sd3-geneval"],
-                         "sd3-geneval"), (["--curriculum", "sd3"], "sd3"),
+    curriculum = tmp_path / "mine.json"
+    curriculum.write_text('[{"preset": "sd3-preference", "iterations": 2}]')
+    for argv, folder in (([], "digits"), (["--model", "tiny-flux"], "tiny-flux"), (["--model", "sd3"], "sd3"),
+                         (["--preset", "sd3-geneval"], "sd3-geneval"), (["--curriculum", "sd3"], "curriculum-sd3"),
+                         (["--curriculum", str(curriculum)], "curriculum-mine"),
                          (["--model", "stabilityai/stable-diffusion-3.5-medium"], "stable-diffusion-3.5-medium"),
-                         (["--model", f"{pipeline}/"], "my-pipeline"), (["--output-dir", "x"], "x")):
-        assert vgrpo.parse_args(argv).output_dir == (os.path.join("runs", folder) if folder != "x" else "x"), argv
+                         (["--model", f"{pipeline}/"], "my-pipeline")):
+        assert vgrpo.parse_args(argv).output_dir == os.path.join("runs", folder), argv
+    assert vgrpo.parse_args(["--model", "."]).output_dir == os.path.join("runs", os.path.basename(os.getcwd()))
+    assert vgrpo.parse_args(["--output-dir", "x"]).output_dir == "x"
 
 
 def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_resume_auto_continues_it(tmp_path):
@@ -947,6 +981,11 @@ def test_a_new_run_among_an_earlier_runs_checkpoints_is_refused_and_resume_auto_
     resumed = vgrpo.parse_args([*flags, "--resume", "auto"])
     vgrpo.validate(resumed, 1)
     assert resumed.resume == str(tmp_path / "checkpoint-5")
+    # a finished run, or one of another configuration, cannot be continued: only another folder is advised
+    for other in (["--iterations", "5"], ["--resolution", "64"]):
+        with pytest.raises(vgrpo.UsageError, match=r"holds an earlier run's checkpoint-5: start anew in another "
+                                                   r"--output-dir \(or delete its checkpoint-\* folders\)$"):
+            vgrpo.validate(vgrpo.parse_args([*flags, *other]), 1)
 
 
 def test_a_resume_trains_at_this_launchs_learning_rate_and_weight_decay(tmp_path):
@@ -1252,7 +1291,7 @@ def test_bad_files_and_directories_are_one_clear_line(tmp_path, short_run):
         (["--resume", short_run[0] / "checkpoint-3", "--model", "tiny", "--no-full-finetune", "--iterations", "2"],
          "is at iteration 3 and --iterations is 2: nothing to train"),
         (["--resume", short_run[0] / "checkpoint-3", "--model", "tiny", "--no-full-finetune", "--iterations", "4",
-          "--ema", "0.9"], "no ema/ in it (saved without --ema); resume without --ema"),   # found once the model loads
+          "--ema", "0.9"], "no ema/ in it (saved without --ema); resume without --ema"),
         (["--prompts", tmp_path / "bad.jsonl"], 'line 2: expected an object with a "prompt" string'),
         (["--model", "tiny", "--eval-every", "2"], "--eval-every needs --eval-prompts"),
         (["--mixed-precision", "fp8"], "unknown --mixed-precision 'fp8'"),

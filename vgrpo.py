@@ -174,7 +174,7 @@ class Args:
     eval_images: int = arg(None, "images per evaluation prompt (default: 8 for digits, 2 otherwise)")
     report_to: str = arg("", "also log to tensorboard, wandb or both (tensorboard,wandb); metrics.jsonl is always "
                              "written. wandb works offline with WANDB_MODE=offline")
-    device: str = arg("auto", "auto, cpu, cuda")
+    device: str = arg("auto", "auto, cpu, cuda (one GPU of several: CUDA_VISIBLE_DEVICES)")
 
     def __post_init__(self):
         resolve_defaults(self, int(os.environ.get("WORLD_SIZE", 1)))  # torchrun tells each process the world size
@@ -701,7 +701,8 @@ def is_tiny(model):
 
 def resolve_defaults(args, world_size):
     """Every default in one place: each flag left at None from the model's recipe; the learning rate follows LoRA /
-    full fine-tuning; the micro-batch divides the per-process minibatch; --resume auto names the newest checkpoint."""
+    full fine-tuning; the micro-batch divides the per-process minibatch; held-out prompts are evaluated every 20
+    iterations; the output folder is runs/NAME; --resume auto names the newest checkpoint."""
     recipe = RECIPES[args.model if args.model in RECIPES else model_kind(args.model)]
     if args.eval_every is None and args.eval_prompts:   # held-out prompts given: they are evaluated
         args.eval_every = 20
@@ -716,9 +717,11 @@ def resolve_defaults(args, world_size):
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     if args.micro_batch is None:  # a divisor of the minibatch: the same passes on 1 or 2 processes by default
         args.micro_batch = math.gcd(local_minibatch(args, world_size), 16 if is_tiny(args.model) else 4)
-    if args.output_dir is None:   # one folder per recipe: the README's commands one after another do not collide
-        name = os.path.basename(os.path.normpath(args.curriculum or args.preset or args.model))
-        args.output_dir = os.path.join("runs", name.removesuffix(".json"))
+    if args.output_dir is None:   # one folder per recipe: the README's recipes do not meet each other's checkpoints
+        curriculum = os.path.basename(args.curriculum).removesuffix(".json")
+        name = f"curriculum-{curriculum}" if curriculum else \
+            args.preset or os.path.basename(os.path.abspath(args.model))
+        args.output_dir = os.path.join("runs", name)
     if args.resume == "auto":
         args.resume = latest_checkpoint(args.output_dir) or ""  # nothing saved yet: start from scratch
     return args
@@ -819,14 +822,16 @@ def validate(args, world_size):
         if not re.fullmatch(r"[\w.-]+/[\w.-]+", args.model) or args.model.startswith("."):
             raise UsageError(f"--model {args.model}: no such folder, and not a Hugging Face id (org/name); use "
                              f"{', '.join(MODEL_IDS)}, tiny, tiny-flux, an id or a local pipeline folder")
+    check_finite(args)
     for name, (called, valid) in CHOICES.items():
         if getattr(args, name) not in valid:
             raise UsageError(f"unknown {called} '{getattr(args, name)}': valid choices are {', '.join(valid)}")
     check_curriculum(args)
     for _, _, _, stage in curriculum_stages(args):  # every stage's reward, prompt file and sizes (or the run's)
         check_reward_specs(stage)
-        check_prompt_files(stage)
+        check_prompt_files(stage, "--prompts")
         check_sizes(stage, world_size)
+    check_prompt_files(args, "--eval-prompts")
     if args.kl_to == "initial" and (args.full_finetune or args.compile == "on"):
         raise UsageError("--kl-to initial takes its reference by switching the LoRA off: it needs LoRA (not "
                          "--full-finetune) and eager blocks (--compile off: peft cannot switch adapters off under "
@@ -846,6 +851,14 @@ def validate(args, world_size):
         if importlib.util.find_spec(name) is None:
             raise UsageError(f"--report-to {name} needs the {name} package: pip install {name}")
     check_paths(args)
+
+
+def check_finite(args):
+    """NaN passes every range check (each comparison is False); inf only makes sense as a clip (none)."""
+    for f in dataclasses.fields(Args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not (math.isfinite(value) or (f.name == "max_grad_norm" and value > 0)):
+            raise UsageError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
 
 
 def check_sizes(args, world_size):
@@ -879,7 +892,8 @@ def check_sizes(args, world_size):
                          f"{minibatch} samples (P/world * G / inner-steps)")
     if min(args.clip_eps, args.lr, args.max_grad_norm) <= 0 or min(args.beta, args.adv_soft_clip,
                                                                    args.adv_std_floor, args.weight_decay) < 0:
-        raise UsageError("--clip-eps, --lr and --max-grad-norm must be positive (a clip at 0 zeroes every gradient); "
+        raise UsageError("--clip-eps, --lr and --max-grad-norm must be positive (a clip at 0 zeroes every gradient, "
+                         "inf clips nothing); "
                          "--beta, --adv-soft-clip, --adv-std-floor and --weight-decay non-negative")
     if args.guidance < 0:
         raise UsageError(f"--guidance must be >= 0, got {args.guidance:g} (SD3: 1 or less is no CFG)")
@@ -896,21 +910,25 @@ def check_sizes(args, world_size):
         raise UsageError("--keep-last must be >= 0, --max-bad-steps and --dist-timeout >= 1")
 
 
-def check_prompt_files(args):
-    if not args.prompts and not is_tiny(args.model):   # "" (an unset shell variable?): the tiny models' 12 prompts
-        raise UsageError("--prompts is empty: give a prompt file (.txt or .jsonl); only the tiny test models have "
-                         "built-in prompts")
-    stage = f" (stage {args.preset})" if args.preset and args.curriculum else ""
-    for flag, path, spec in (("--prompts", args.prompts, args.reward),
-                             ("--eval-prompts", args.eval_prompts if args.eval_every else "",
-                              args.eval_rewards or args.reward)):
-        if path and not os.path.isfile(path):
-            raise UsageError(f"{flag}: prompt file not found: {path}{stage}")
-        if path:   # what its rewards need of every prompt, now rather than when training draws it
-            names = [name for name, _ in rewards_lib.parse_reward_spec(spec)]
-            problem = rewards_lib.prompt_file_problem(names, *load_prompts(path))
-            if problem:
-                raise UsageError(f"{flag} {path}{stage}: {problem}")
+def check_prompt_files(args, flag):
+    """The prompt file of `flag` exists, and every prompt in it is one its rewards can score: checked now, not when
+    training draws the prompt hours in. --prompts against the stage's --reward; --eval-prompts against the run's
+    evaluation rewards (every stage evaluates with the run's)."""
+    if flag == "--prompts":
+        if not args.prompts and not is_tiny(args.model):   # "" (an unset shell variable?): the tiny models' prompts
+            raise UsageError("--prompts is empty: give a prompt file (.txt or .jsonl); only the tiny test models "
+                             "have built-in prompts")
+        path, spec = args.prompts, args.reward
+    else:
+        path, spec = args.eval_prompts if args.eval_every else "", args.eval_rewards or args.reward
+    stage = f" (stage {args.preset})" if args.preset and args.curriculum and flag == "--prompts" else ""
+    if path and not os.path.isfile(path):
+        raise UsageError(f"{flag}: prompt file not found: {path}{stage}")
+    if path:
+        problem = rewards_lib.prompt_file_problem([name for name, _ in rewards_lib.parse_reward_spec(spec)],
+                                                  *load_prompts(path))
+        if problem:
+            raise UsageError(f"{flag} {path}{stage}: {problem}")
 
 
 def check_curriculum(args):
@@ -936,10 +954,19 @@ def check_paths(args):
         raise UsageError(f"--output-dir {args.output_dir} is not writable ({e.strerror or e})") from None
     if args.resume:
         check_resume_matches(args)
-    elif latest_checkpoint(args.output_dir):
-        earlier = os.path.basename(latest_checkpoint(args.output_dir))
-        raise UsageError(f"--output-dir {args.output_dir} holds an earlier run's {earlier}: continue that run with "
-                         "--resume auto, or start anew in another --output-dir (or delete its checkpoint-* folders)")
+        return
+    earlier = latest_checkpoint(args.output_dir)
+    if earlier:
+        with open(os.path.join(earlier, "state.json")) as f:
+            unfinished = json.load(f)["iteration"] < args.iterations
+        try:   # another configuration, and --resume auto would be refused
+            check_resume_matches(dataclasses.replace(args, resume=earlier))
+        except UsageError:
+            unfinished = False
+        advice = ("continue that run with --resume auto, or " if unfinished else "") + \
+            "start anew in another --output-dir"
+        raise UsageError(f"--output-dir {args.output_dir} holds an earlier run's {os.path.basename(earlier)}: "
+                         f"{advice} (or delete its checkpoint-* folders)")
 
 
 UNIFIEDREWARD_NOTE = ("the paper's FLUX.1-dev run also trains on UnifiedReward, a VLM judge on a server: "
@@ -978,6 +1005,8 @@ def check_resume_matches(args):
             if saved.get(k) != getattr(args, k)]
     if diff:
         raise UsageError(f"--resume {args.resume} belongs to a different configuration: {'; '.join(diff)}")
+    if args.ema and not os.path.isdir(os.path.join(args.resume, "ema")):
+        raise UsageError(f"--resume {args.resume}: no ema/ in it (saved without --ema); resume without --ema")
 
 
 # --------------------------------------------------------------------------- the curriculum: stages of one launch
@@ -1088,14 +1117,21 @@ def stage_settings(stage):
     return {**settings, **{k: v for k, v in stage.items() if k not in ("preset", "iterations")}}
 
 
+def is_json_object(line):
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def load_prompts(path):
     """-> (prompts, metadata). .txt: one prompt per line, blank lines skipped. .jsonl: one object per line
     with a "prompt" field; the whole object is the prompt's metadata, handed to rewards that take it
     (GenEval's format). An empty, non-UTF-8 or malformed file is refused with its line number."""
     if not path:
         return list(DEFAULT_PROMPTS), [{} for _ in DEFAULT_PROMPTS]
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix in (".json", ".ndjson", ".csv", ".tsv", ".parquet", ".yaml"):
+    suffix = os.path.splitext(path)[1].lower().replace(".ndjson", ".jsonl")   # the same format
+    if suffix in (".json", ".csv", ".tsv", ".parquet", ".yaml"):
         raise UsageError(f"prompt file {path}: prompts are read from .txt (one per line) or .jsonl (one object per "
                          f"line), not {suffix}")
     prompts, metadata = [], []
@@ -1108,7 +1144,7 @@ def load_prompts(path):
             if not line:
                 continue
             if suffix != ".jsonl":
-                if not prompts and line.startswith("{") and line.endswith("}"):   # its metadata would be lost
+                if not prompts and is_json_object(line):   # its metadata would be lost
                     raise UsageError(f"prompt file {path}, line {number}: a JSON object in a text file; name the "
                                      "file .jsonl to read each line's prompt and metadata")
                 prompts.append(line)
@@ -2089,10 +2125,8 @@ def resumed_ema(args, family):
     """With --ema and --resume: the EMA saved in the checkpoint's ema/ (read into the model, which the checkpoint's
     own weights then overwrite), as full tensors in the trained weights' order; None when starting fresh."""
     directory = os.path.join(args.resume, "ema") if args.resume else ""
-    if not args.ema or not directory:
+    if not args.ema or not directory:   # (validate refused an --ema resume from a checkpoint without ema/)
         return None
-    if not os.path.isdir(directory):
-        raise UsageError(f"--resume {args.resume}: no ema/ in it (saved without --ema); resume without --ema")
     load_weights(directory, family, args)
     return [p.detach().clone() for p in family.transformer.parameters() if p.requires_grad]
 

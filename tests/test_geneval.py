@@ -364,6 +364,7 @@ _DOG = {"class": "dog", "count": 1}
     ({"include": [dict(_DOG, position=["above", 0])]}, "include clause 0: position ['above', 0]"),
     ({"include": [_DOG], "exclude": [dict(_DOG, position=["above", 0])]}, "exclude clause 0: position"),
     ({"include": [_DOG], "exclude": {"class": "dog", "count": 2}}, '"exclude" is {'),
+    ({"include": ["dog"]}, """include clause 0: 'dog' is not an object {"class": ..., "count": ...}"""),
 ])
 def test_geneval_metadata_that_could_never_match_is_named(metadata, problem):
     """A class, colour or relation GenEval does not know is never found: such a prompt scores 0 every time and never

@@ -671,12 +671,14 @@ def test_a_cache_lacking_one_of_a_rewards_repositories_names_that_one_and_how_to
 
 def test_a_file_named_like_a_checkpoint_in_the_working_directory_is_not_taken_for_it(use_hub_cache, monkeypatch,
                                                                                       tmp_path):
-    """ImageReward.pt, med_config.json or HPSv2's checkpoint lying in the working directory is not the hub's."""
+    """ImageReward.pt, med_config.json or HPSv2's or the aesthetic head's checkpoint lying in the working directory
+    is not the hub's (only VGRPO_AESTHETIC_FILE may name a local file)."""
     monkeypatch.chdir(tmp_path)
-    for name in (reward.IMAGEREWARD_FILE, reward.IMAGEREWARD_CONFIG, reward.HPS_FILE):
+    monkeypatch.delenv("VGRPO_AESTHETIC_FILE", raising=False)
+    for name in (reward.IMAGEREWARD_FILE, reward.IMAGEREWARD_CONFIG, reward.HPS_FILE, reward.AESTHETIC_FILE):
         (tmp_path / name).write_text("not a checkpoint")
     images = torch.rand(2, 3, 32, 32)
-    for name in ("imagereward", "hpsv2"):
+    for name in ("imagereward", "hpsv2", "aesthetic"):
         assert reward.load_reward(name)(images, ["a cat", "a dog"]).shape == (2,)
 
 
@@ -689,6 +691,7 @@ def test_the_aesthetic_head_may_be_a_local_file(use_hub_cache, monkeypatch, tmp_
     want = reward.load_reward("aesthetic")(images, ["a", "b"])
     head = {k: 2 * v if k == "layers.7.bias" else v for k, v in head.items()}   # the last layer's bias doubled
     torch.save(head, tmp_path / "mine.pth")
+    monkeypatch.setenv("VGRPO_AESTHETIC_FILE", str(tmp_path / "mine.pth"))
     monkeypatch.setattr(reward, "AESTHETIC_FILE", str(tmp_path / "mine.pth"))
     got = reward.load_reward("aesthetic")(images, ["a", "b"])
     torch.testing.assert_close(got - want, head["layers.7.bias"].expand(2) / 2)
@@ -711,7 +714,8 @@ def test_a_truncated_checkpoint_in_the_cache_is_named_in_one_line(use_hub_cache,
     with open(path, "wb") as f:
         f.write(head)
     with pytest.raises(reward.RewardError, match=f"^reward '{name}': .*{re.escape(filename)} could not be read "
-                                                 r"\(\w+\); delete it and download it again$"):
+                                                 r"\(\w+: .+\); if its download was cut short, delete it and "
+                                                 "download it again$"):
         reward.load_reward(name)
 
 

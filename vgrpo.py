@@ -829,9 +829,14 @@ def validate(args, world_size):
     check_curriculum(args)
     for _, _, _, stage in curriculum_stages(args):  # every stage's reward, prompt file and sizes (or the run's)
         check_reward_specs(stage)
-        check_prompt_files(stage, "--prompts")
+        if not stage.prompts and not is_tiny(stage.model):   # "" (an unset shell variable?): the tiny models' prompts
+            raise UsageError("--prompts is empty: give a prompt file (.txt or .jsonl); only the tiny test models "
+                             "have built-in prompts")
+        where = f" (stage {stage.preset})" if args.curriculum else ""
+        check_prompt_file("--prompts", stage.prompts, stage.reward, where)
         check_sizes(stage, world_size)
-    check_prompt_files(args, "--eval-prompts")
+    # every stage evaluates with the run's evaluation rewards
+    check_prompt_file("--eval-prompts", args.eval_prompts if args.eval_every else "", args.eval_rewards or args.reward)
     if args.kl_to == "initial" and (args.full_finetune or args.compile == "on"):
         raise UsageError("--kl-to initial takes its reference by switching the LoRA off: it needs LoRA (not "
                          "--full-finetune) and eager blocks (--compile off: peft cannot switch adapters off under "
@@ -910,25 +915,15 @@ def check_sizes(args, world_size):
         raise UsageError("--keep-last must be >= 0, --max-bad-steps and --dist-timeout >= 1")
 
 
-def check_prompt_files(args, flag):
-    """The prompt file of `flag` exists, and every prompt in it is one its rewards can score: checked now, not when
-    training draws the prompt hours in. --prompts against the stage's --reward; --eval-prompts against the run's
-    evaluation rewards (every stage evaluates with the run's)."""
-    if flag == "--prompts":
-        if not args.prompts and not is_tiny(args.model):   # "" (an unset shell variable?): the tiny models' prompts
-            raise UsageError("--prompts is empty: give a prompt file (.txt or .jsonl); only the tiny test models "
-                             "have built-in prompts")
-        path, spec = args.prompts, args.reward
-    else:
-        path, spec = args.eval_prompts if args.eval_every else "", args.eval_rewards or args.reward
-    stage = f" (stage {args.preset})" if args.preset and args.curriculum and flag == "--prompts" else ""
+def check_prompt_file(flag, path, reward_spec, where=""):
+    """`flag`'s prompt file (none: "") exists, and its rewards can score every prompt in it: checked now, not when
+    training draws the prompt hours in."""
     if path and not os.path.isfile(path):
-        raise UsageError(f"{flag}: prompt file not found: {path}{stage}")
-    if path:
-        problem = rewards_lib.prompt_file_problem([name for name, _ in rewards_lib.parse_reward_spec(spec)],
-                                                  *load_prompts(path))
-        if problem:
-            raise UsageError(f"{flag} {path}{stage}: {problem}")
+        raise UsageError(f"{flag}: prompt file not found: {path}{where}")
+    names = [name for name, _ in rewards_lib.parse_reward_spec(reward_spec)]
+    problem = path and rewards_lib.prompt_file_problem(names, *load_prompts(path))
+    if problem:
+        raise UsageError(f"{flag} {path}{where}: {problem}")
 
 
 def check_curriculum(args):

@@ -649,15 +649,12 @@ def test_a_cache_lacking_one_of_a_rewards_repositories_names_that_one_and_how_to
         use_hub_cache, monkeypatch, tmp_path, name, missing):
     """A partial download (every repository of the reward but one in the cache) fails in one line that names the
     missing repository and the `hf download` command for it, not the reward's other repositories."""
-    from huggingface_hub import constants
-
     folder = "models--" + missing.replace("/", "--")
     assert os.path.isdir(os.path.join(use_hub_cache, folder))
     for entry in os.listdir(use_hub_cache):
         if entry != folder:
             os.symlink(os.path.join(use_hub_cache, entry), tmp_path / entry)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    _point_hub_cache(monkeypatch, str(tmp_path))
     monkeypatch.setattr(reward, "_GENEVAL", {})            # no judge kept from an earlier test
     with pytest.raises(reward.RewardError) as e:
         reward.load_reward(name)
@@ -703,20 +700,24 @@ def test_the_aesthetic_head_may_be_a_local_file(use_hub_cache, monkeypatch, tmp_
 def test_a_truncated_checkpoint_in_the_cache_is_named_in_one_line(use_hub_cache, monkeypatch, tmp_path, name, repo,
                                                                     filename):
     """A download cut short leaves a checkpoint torch.load cannot read: the error names the reward and the file."""
-    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub import hf_hub_download
 
-    shutil.copytree(use_hub_cache, tmp_path / "cache", symlinks=True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    _point_hub_cache(monkeypatch, _cache_copy_without(use_hub_cache, tmp_path, repo, []))
     path = os.path.realpath(hf_hub_download(repo, filename))
     assert path.startswith(str(tmp_path / "cache"))
-    with open(path, "rb") as f:
-        head = f.read(os.path.getsize(path) // 2)
-    with open(path, "wb") as f:
-        f.write(head)
+    os.truncate(path, os.path.getsize(path) // 2)
     with pytest.raises(reward.RewardError, match=f"^reward '{name}': .*{re.escape(filename)} could not be read "
                                                  r"\(\w+: .+\); if its download was cut short, delete it and "
                                                  "download it again$"):
         reward.load_reward(name)
+
+
+def _point_hub_cache(monkeypatch, cache):
+    """Loads in this process resolve from `cache` (huggingface_hub's constant, and the variable transformers reads)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
 
 
 def _cache_copy_without(cache, tmp_path, repo, files):
@@ -737,12 +738,9 @@ def test_a_pipeline_whose_tokenizer_files_are_missing_is_refused_in_one_line(use
                                                                               model, tokenizer):
     """transformers loads a tokenizer whose vocabulary files are absent as an empty one, silently (every prompt then
     reads as unknown tokens or as nothing, and training goes on with one prompt); vgrpo refuses such a pipeline."""
-    from huggingface_hub import constants
-
     repo = vgrpo.MODEL_IDS[model]
     cache = _cache_copy_without(use_hub_cache, tmp_path, repo, [f"{tokenizer}/*"])
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
-    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    _point_hub_cache(monkeypatch, cache)
     with pytest.raises(vgrpo.UsageError) as e:
         vgrpo.load_pipeline(repo, model, torch.float32)
     assert str(e.value) == (f"--model {repo}: the Hugging Face cache's copy has no vocabulary for {tokenizer} (an "
@@ -756,14 +754,11 @@ def test_a_pipeline_with_a_weights_file_cut_short_is_refused_in_one_line(use_hub
                                                                           weights):
     """A download that stopped mid-file: diffusers and transformers raise three kinds of error (a truncated text
     encoder's is safetensors' own); each is the one-line 'no complete copy'."""
-    from huggingface_hub import constants
-
     repo = vgrpo.MODEL_IDS["sd3"]
     cache = _cache_copy_without(use_hub_cache, tmp_path, repo, [])
     path = glob.glob(os.path.join(cache, "models--" + repo.replace("/", "--"), "snapshots", "*", weights))[0]
     os.truncate(path, os.path.getsize(path) // 2)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
-    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    _point_hub_cache(monkeypatch, cache)
     with pytest.raises(vgrpo.UsageError, match=f"^could not load '{repo}' \\(\\w+\\): .* has no complete copy"):
         vgrpo.load_pipeline(repo, "sd3", torch.float32)
     clip = glob.glob(os.path.join(cache, "models--openai--clip-vit-large-patch14", "snapshots", "*", "model.safetensors"))
@@ -778,11 +773,8 @@ def test_a_pipeline_with_a_weights_file_cut_short_is_refused_in_one_line(use_hub
 def test_a_reward_whose_tokenizer_files_are_missing_is_refused_in_one_line(use_hub_cache, monkeypatch, tmp_path, name,
                                                                             repo):
     """The same for a reward's tokenizer (a CLIP processor's, BERT's): the reward would ignore the prompt."""
-    from huggingface_hub import constants
-
     cache = _cache_copy_without(use_hub_cache, tmp_path, repo, ["tokenizer.json", "vocab.*", "merges.txt"])
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
-    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    _point_hub_cache(monkeypatch, cache)
     with pytest.raises(reward.RewardError, match=f"^reward '{name}' needs {re.escape(repo)}, whose tokenizer has no "
                                                  r"vocabulary in the cache \(a partial download"):
         reward.load_reward(name)

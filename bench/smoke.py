@@ -347,7 +347,8 @@ def launch(name, quick, timeout, work, limit, heartbeat):
             output = proc.communicate(timeout=30)[0]
         except subprocess.TimeoutExpired:   # something outside the session holds the pipe open: leave the output
             output = ""
-        last = show_tail(name, output)[-1:]   # the heartbeat's last line: the phase it was in, what it had compiled
+        show_tail(name, output)
+        last = last_heartbeat(name, output)
         why = "stopped by SIGTERM" if isinstance(e, Stopped) else \
             f"no result within {limit or f'--timeout {timeout:g} s'}"
         return dict(name=name, error=why + (f" (last: {last[0][-200:]})" if last else ""))
@@ -356,6 +357,12 @@ def launch(name, quick, timeout, work, limit, heartbeat):
         return dict(name=name, error=f"exit {proc.returncode}: {' / '.join(last)[-400:]}")
     with open(result_file) as f:
         return json.load(f)
+
+
+def last_heartbeat(name, output):
+    """[the last progress line of configuration `name`'s output] (the phase it was in, what it had compiled), or []
+    if it printed none; a warning printed after it is not it."""
+    return [line for line in output.splitlines() if line.startswith(f"[{name}] ")][-1:]
 
 
 def show_tail(name, output, lines=20):

@@ -813,11 +813,20 @@ def test_smoke_stopped_by_sigterm_ends_the_running_configuration_and_writes_the_
     assert smoke.returncode == 1, output[-3000:]
     assert processes_naming(str(work)) == []                 # the configuration's process is gone
     report = out.read_text()
-    # (one CI-like run in a fresh environment failed the first check once, unseen in isolation: the report and
-    # the output say which row held what)
     assert "**failed**: stopped by SIGTERM (last: [flux-lora-fsdp] " in report, report + output[-3000:]
     assert "| sd3-lora | `" in report and "**failed**: not run: stopped by SIGTERM |" in report, report
     assert "FAILED: flux-lora-fsdp, sd3-lora" in output, output[-3000:]
+
+
+def test_a_stopped_configurations_last_line_is_its_last_progress_line_not_a_warning_after_it():
+    """The report's "(last: ...)" says where the time went: the heartbeat's last line, though a warning (or a
+    traceback) came after it. (A CI run once reported a warning there and failed the SIGTERM test above.)"""
+    import smoke
+
+    output = ("[flux-lora-fsdp] 2 s: starting\n[flux-lora-fsdp] 3 s: build_transformer\n"
+              "UserWarning: something\n  warnings.warn(\n[sd3-lora] 9 s: rollout\n")
+    assert smoke.last_heartbeat("flux-lora-fsdp", output) == ["[flux-lora-fsdp] 3 s: build_transformer"]
+    assert smoke.last_heartbeat("digits", output) == []
 
 
 def test_the_smoke_runs_progress_lines_name_the_vgrpo_phase_running(monkeypatch):

@@ -110,6 +110,25 @@ def test_advantages_with_a_std_floor_follow_the_formula(floor):
     assert torch.equal(vgrpo.group_advantages(torch.full((4,), 0.7), 4, std_floor=floor), torch.zeros(4))
 
 
+def test_zero_adv_groups_counts_the_groups_whose_advantages_are_all_zero_under_either_combination():
+    """zero_adv_groups is the share of groups with no signal. Under --reward-advantage per-reward a group whose summed
+    reward is all equal can still move (its rewards disagree), and that group must not be counted."""
+    import types
+    parts = {"a": torch.tensor([1., 1, 1, 1, 0, 2, 0, 2, 2, 2, 3, 3]),     # group 2: a + 2 b is 2 everywhere
+             "b": torch.tensor([0., 0, 0, 0, 1, 0, 1, 0, 5, 6, 5, 6])}
+    r = parts["a"] + 2 * parts["b"]
+    run = types.SimpleNamespace(args=types.SimpleNamespace(group_size=4), world=1, device=torch.device("cpu"),
+                                stages=[None], family=types.SimpleNamespace(transformer=torch.nn.Linear(1, 1),
+                                                                            compiled=False),
+                                optimizer=types.SimpleNamespace(state={}))
+    stats = {f"time_{k}": 0.0 for k in ("rollout", "reward", "old", "update")}
+    summed = vgrpo.iteration_metrics(run, 0, dict(stats), r, vgrpo.group_advantages(r, 4))
+    assert summed["zero_adv_groups"] == pytest.approx(2 / 3)                  # groups 1 and 2: equal sums
+    A = vgrpo.per_reward_advantages(parts, {"a": 1.0, "b": 2.0}, 4)
+    assert torch.allclose(A[4:8].abs(), torch.full((4,), 1 / 3), atol=1e-3)   # group 2 moves after all
+    assert vgrpo.iteration_metrics(run, 0, dict(stats), r, A)["zero_adv_groups"] == pytest.approx(1 / 3)
+
+
 def test_flat_groups_are_those_whose_std_is_within_a_thousandth_of_their_mean():
     groups = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.999, 1.0, 1.0, 1.0], [0.9, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0],
                            [-0.2, -0.2001, -0.2, -0.2], [0.0, 0.001, 0.0, 0.0]])

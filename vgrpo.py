@@ -37,7 +37,7 @@ Where this code fills a gap in, or departs from, the paper:
  9. FLUX latents stay packed (2x2 patches as tokens) everywhere; the surrogate's mean over latent
     dimensions is the same as on unpacked latents, and the pairs' eps are drawn in the packed shape.
 10. Several rewards are summed before the advantage by default (`--reward-advantage sum`); the paper does
-    not say, and `per-reward` (each reward's group advantage, then the weighted sum) is MixGRPO's choice.
+    not say, and `per-reward` (each reward's group advantage, then their weighted mean) is MixGRPO's choice.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ class Args:
                             "ocr, geneval, geneval_partial(_jpeg), digit(_correct, _knn), jpeg, unifiedreward@"
                             "http://host:port/v1 (a served judge), http://host:port/path, file.py:function (default: "
                             "pickscore for SD3, hpsv2 for FLUX, digit for digits, jpeg:100 for the tiny models)")
-    reward_advantage: str = arg("sum", "several rewards: sum (advantage of the weighted sum) or per-reward (sum of "
-                                       "each reward's group advantage, as MixGRPO)")
+    reward_advantage: str = arg("sum", "several rewards: sum (advantage of the weighted sum) or per-reward ("
+                                       "weighted mean of each reward's group advantage, as MixGRPO)")
     prompts: str = arg(None, ".txt (one prompt per line) or .jsonl ({\"prompt\": ..., metadata for the reward}); "
                              "default: prompts/train.txt for real models, prompts/digits_train.jsonl for digits, "
                              "12 built-in prompts for the tiny ones")
@@ -102,8 +102,8 @@ class Args:
                                          "T5, whose T5 part would be that many zero tokens in every forward pass)")
     sampler: str = arg("dpmpp2m", "ODE sampler for rollouts: dpmpp2m (DPM-Solver++ 2M) or euler")
     sample_steps: int = arg(None, "ODE steps per rollout (default: 40 SD3, 16 FLUX, 12 digits, 10 tiny)")
-    guidance: float = arg(None, "SD3: classifier-free guidance scale (default 1 = off, as the paper trains SD3.5-M); "
-                                "FLUX: the guidance embedding's value (default 3.5), one pass")
+    guidance: float = arg(None, "classifier-free guidance scale (SD3: default 1 = off, as the paper trains SD3.5-M; "
+                                "Qwen-Image, FLUX.2 [klein] base: 4); FLUX.1: the guidance embedding's value (3.5)")
     iterations: int = arg(None, "total training iterations, a resumed run continues up to it (150 SD3, 300 FLUX, "
                                 "80 digits, 60 tiny)")
     prompts_per_step: int = arg(None, "P: prompts per iteration, GLOBAL over all processes (48 SD3, 32 FLUX, "
@@ -398,7 +398,7 @@ class Run:
     """Everything an iteration needs, made once at start by build_run."""
     args: Args
     family: Family
-    model: torch.nn.Module           # the transformer, DDP-wrapped when distributed (used for the update only)
+    model: torch.nn.Module           # the transformer as the update runs it: DDP-wrapped on several processes
     optimizer: torch.optim.Optimizer
     params: list
     reward_fn: object
@@ -431,14 +431,14 @@ def train_iteration(run, it):
     with timer("rollout"):
         sample_ids, prompts, metadata = local_samples(run, it)
         cond, o, images = generate(run, prompts, [(args.seed, "noise", it, j, m) for j, m in sample_ids])
-    # 2. Reward, 3. group-normalised advantages (each rank owns whole groups: no communication)
+    # Reward, and 2. group-normalised advantages (each rank owns whole groups: no communication)
     with timer("reward"):
         r = score(run.reward_fn, images, prompts, metadata).to(run.device)
         A = iteration_advantages(run, r)
         skip = any_nonfinite(run, it, r, A)  # every rank skips together, or DDP would hang
     if skip:
         return dict(SKIPPED_STATS, skipped_steps=args.inner_steps, **timer.stats()), images, prompts, r, A
-    # 4. Shared, stratified pairs; the old surrogate for the minibatches after the first (none with one inner step)
+    # 3. Shared, stratified pairs; 5. the old surrogate for minibatches after the first (none with one inner step)
     with timer("old"):
         sigmas, eps = draw_pairs(run.sigmas, args.n_mc, family.latent_shape, sample_ids, args.pair_sharing,
                                  args.stratified, args.seed, it, run.device)
@@ -447,7 +447,7 @@ def train_iteration(run, it):
             batch["s_old"], batch["x0_old"] = old_surrogate(family, family.transformer, batch, args, run.n_prompts)
         if args.beta > 0 and args.kl_to == "initial":  # the KL's reference: x0_hat of the model before training
             batch["x0_ref"] = initial_x0(family, batch, args, run.n_prompts)
-    # 5. Clipped-ratio update
+    # 4.-7. The surrogate, the clipped objective and the update (the numbers are docs/method.md's steps)
     with timer("update"):
         stats = update(family, run.model, run.optimizer, run.params, batch, args, run.n_prompts, run.scaler)
     return {**stats, **timer.stats(), **reward_metrics(run)}, images, prompts, r, A
@@ -573,12 +573,12 @@ def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None
         with gradient_sync(model, last_of_step):
             s_new, x0_new = surrogate(family, model, batch["o"][idx], batch["sigmas"][idx], batch["eps"][idx],
                                       rows_of(batch["cond"], idx), args.weighting)
-            if k == 0:  # no step taken yet: the old policy is the current one, and this forward is its value
-                s_old, x0_old = s_new.detach(), x0_new.detach()
-            else:
-                s_old, x0_old = batch["s_old"][idx], batch["x0_old"][idx] if args.beta > 0 else None
-            x0_old = batch["x0_ref"][idx] if "x0_ref" in batch else x0_old  # --kl-to initial
-            x0_pair = (x0_new, x0_old) if args.beta > 0 else (None, None)  # the KL term only where it is weighted
+            # k == 0: no step taken yet, so the old policy is the current one, and this forward is its value
+            s_old = s_new.detach() if k == 0 else batch["s_old"][idx]
+            x0_pair = (None, None)  # the KL term only where it is weighted: x0_hat and the reference --kl-to names
+            if args.beta > 0:
+                x0_pair = (x0_new, batch["x0_ref"][idx] if "x0_ref" in batch else
+                           x0_new.detach() if k == 0 else batch["x0_old"][idx])
             loss, st = vgrpo_loss(s_new, s_old, batch["A"][idx], args.clip_eps, args.beta, *x0_pair)
             part = loss * len(idx) / minibatch_size
             (scaler.scale(part) if scaler else part).backward()
@@ -1015,7 +1015,8 @@ PRESETS = {
     # 10 pairs, no soft clip (reported to hurt with a coarse reward)
     "sd3-geneval": dict(model="sd3", reward="geneval_partial", prompts="prompts/geneval_train.jsonl", n_mc=10,
                         adv_soft_clip=0.0),
-    # text rendering, the last stage: its prompts quote the text; the KL term keeps earlier skills (the paper's 0.3)
+    # text rendering, the last stage: its prompts quote the text; the paper's KL term (0.3) to keep earlier skills,
+    # which is zero with one inner step (the KL is to the sampling policy): --kl-to initial makes it act
     "sd3-ocr": dict(model="sd3", reward="ocr", prompts="prompts/ocr_train.txt", n_mc=10, iterations=30,
                     adv_soft_clip=0.0, beta=0.3),
     # the paper adds UnifiedReward, a VLM judge on a server (`vllm serve CodeGoat24/UnifiedReward-qwen-7b --port 8000`):
@@ -1160,7 +1161,7 @@ def load_prompts(path):
 
 # --------------------------------------------------------------------------- model families
 # The loop talks to a model only through this seam: encode(prompts), velocity(model, x, sigma, cond),
-# decode(o), sigma_grid(steps), latent_shape, save_lora(dir). SD3 and FLUX differ only in what is below.
+# decode(o), sigma_grid(steps), latent_shape, save_lora(dir). The four families differ only in what is below.
 
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # the pipelines' names (SD3: three, FLUX: two)
@@ -2202,7 +2203,7 @@ def iteration_metrics(run, it, stats, r, A):
     groups = r_all.view(-1, G)
     m = {"iteration": it + 1, "reward_mean": r_all.mean().item(), "reward_std": r_all.std(unbiased=False).item(),
          "reward_group_std": groups.std(1, unbiased=False).mean().item(),
-         "zero_adv_groups": (groups == groups[:, :1]).all(1).float().mean().item(),
+         "zero_adv_groups": (A_all.view(-1, G) == 0).all(1).float().mean().item(),
          "flat_groups": flat_group_share(groups),
          "adv_mean": A_all.mean().item(), "adv_std": A_all.std(unbiased=False).item(),
          "adv_abs_max": A_all.abs().max().item()}

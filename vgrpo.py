@@ -1095,7 +1095,9 @@ def curriculum_stages(args):
     if not args.curriculum:
         return [("", 0, args.iterations, args)]
     files = dict(item.split("=", 1) for item in filter(None, args.stage_prompts.split(",")))
-    unset = {k: v for k, v in default_flags().items() if k in STAGE_FLAGS}  # the recipe decides
+    # the stage's flags are reset to unset, then replace() runs Args.__post_init__ again: the recipe fills what the
+    # stage leaves unset (the preference stages' soft clip 3, for one)
+    unset = {k: v for k, v in default_flags().items() if k in STAGE_FLAGS}
     out, start = [], 0
     for number, stage in enumerate(load_curriculum(args.curriculum), 1):
         name, settings = stage_name(stage, number), stage_settings(stage)

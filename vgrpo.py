@@ -1734,8 +1734,11 @@ def wrap_for_training(family, args, world, device):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         amp = AMP_DTYPES[args.mixed_precision]
-        # compute in the mixed-precision dtype, reduce gradients in float32 into float32 master weights
-        policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
+        # compute in the mixed-precision dtype, reduce gradients in float32 into float32 master weights. The inputs
+        # stay as given, as without FSDP: autocast casts the matmuls', and SD3's timestep (1000 sigma, steps of 4 in
+        # bf16) and FLUX's rotary cos / sin keep their float32
+        policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32, cast_forward_inputs=False) \
+            if amp else MixedPrecisionPolicy()
         for block in family.blocks():
             fully_shard(block, mp_policy=policy)
         return fully_shard(family.transformer, mp_policy=policy)

@@ -144,12 +144,19 @@ DTYPES_UNDER_FSDP = """
 import json, sys, torch, torch.distributed as dist
 import vgrpo
 dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
-args, device = vgrpo.Args(model="tiny", fsdp=True, mixed_precision="bf16", n_mc=2), torch.device("cpu")
+args, device = vgrpo.Args(model=sys.argv[2], fsdp=True, mixed_precision="bf16", n_mc=2), torch.device("cpu")
 family = vgrpo.load_family(args, device)
 vgrpo.add_trainable_weights(family, args)
 model = vgrpo.wrap_for_training(family, args, 1, device)
-layer, seen = family.transformer.transformer_blocks[0].attn.to_q, {}
-layer.register_forward_pre_hook(lambda module, inputs: seen.update(compute=str(module.weight.dtype)))
+block, seen = family.transformer.transformer_blocks[0], {}
+block.attn.to_q.register_forward_pre_hook(lambda module, inputs: seen.update(compute=str(module.weight.dtype)))
+if sys.argv[2] == "tiny":   # SD3 embeds 1000 sigma as the root's input gives it
+    family.transformer.time_text_embed.register_forward_pre_hook(
+        lambda m, inputs: seen.update(timestep=str(inputs[0].dtype)))
+else:                       # FLUX's rotary cos / sin, made in the root and handed to every block
+    block.register_forward_pre_hook(lambda m, a, kw: seen.update(rope=str(kw["image_rotary_emb"][0].dtype)),
+                                    with_kwargs=True)
+layer = block.attn.to_q
 sigmas, eps = vgrpo.draw_pairs(family.sigma_grid(4), 2, family.latent_shape, [(0, 0), (0, 1)], "batch", True, 0, 0)
 s, _ = vgrpo.surrogate(family, model, torch.randn(2, *family.latent_shape), sigmas, eps.contiguous(),
                        family.encode(["a cat", "a dog"]), "adaptive")
@@ -163,7 +170,9 @@ def test_fsdp_in_bf16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path
     """bf16 rounds differently under FSDP's cast of every parameter than under autocast, and the tiny JPEG reward
     amplifies that into other samples, so this run is checked on its own: it trains, and what it saves is float32.
     Then, in one sharded process, a layer's weights are bf16 in the forward pass and float32 outside it, its
-    gradient float32, and the surrogate float32."""
+    gradient float32, and the surrogate float32; the inputs that are not matmuls' keep their float32, as without
+    FSDP (FSDP2's default casts every floating input of a sharded module: SD3's timestep 1000 sigma would round to
+    steps of 4 near 1000, and FLUX's rotary cos / sin lose their precision; autocast already casts the matmuls)."""
     torchrun("--iterations", "1", "--no-full-finetune", "--lr", "1e-3", "--mixed-precision", "bf16", "--fsdp",
              "--output-dir", tmp_path)
     saved = lora_weights(tmp_path, 1)
@@ -171,11 +180,13 @@ def test_fsdp_in_bf16_computes_in_bf16_and_keeps_float32_master_weights(tmp_path
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in saved.items())
     m = metrics(tmp_path)[0]
     assert m["skipped_steps"] == 0 and m["grad_norm"] > 0
-    p = subprocess.run([sys.executable, "-c", DTYPES_UNDER_FSDP, str(tmp_path / "group")], env=ENV, cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads(p.stdout.splitlines()[-1]) == {"compute": "torch.bfloat16", "master": "torch.float32",
-                                                     "gradient": "torch.float32", "surrogate": "torch.float32"}
+    for model, kept in (("tiny", "timestep"), ("tiny-flux", "rope")):
+        p = subprocess.run([sys.executable, "-c", DTYPES_UNDER_FSDP, str(tmp_path / f"group-{model}"), model],
+                           env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert json.loads(p.stdout.splitlines()[-1]) == {"compute": "torch.bfloat16", "master": "torch.float32",
+                                                         "gradient": "torch.float32", "surrogate": "torch.float32",
+                                                         kept: "torch.float32"}, model
 
 
 def test_fsdp_shards_flux_like_ddp_and_saves_a_transformer_diffusers_loads(tmp_path):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: one short run on a GPU machine, each part under a time limit, 9 minutes of limits in all (plus the
-# wheels' install and the version line, seconds).
+# The GPU check: one short run on a GPU machine, each part under a time limit, 8.4 minutes of limits in all (plus
+# the wheels' install and the version line, seconds; a part past its limit is killed 10 s later).
 #   bench/smoke.py         one whole iteration of every configuration at the real shapes (random weights): no crash,
 #                          the ratio at the first inner step, finite losses, peak memory; exits 1 naming a failure
 #   bench/memory.py --gpu  every phase's peak (allocated and reserved) beside results/memory.json's fake-CUDA bytes,
@@ -16,6 +16,8 @@
 #   bash bench/device.sh                 all three parts (about 9 minutes)
 #   bash bench/device.sh memory gpu      only the parts named: a rerun after a fix fits what a session has left
 #   SMOKE_ONLY=sd3-full,flux-lora-fsdp bash bench/device.sh smoke     the smoke run's configurations named (--only)
+#   GPU_MODELS=flux bash bench/device.sh gpu    bench/gpu.py's models named (--models; default sd3,flux); back here,
+#       python bench/gpu.py --merge FIRST/gpu.json,RERUN/gpu.json    one report of both runs, each model's last result
 #
 # A machine whose Python lacks diffusers or has an older transformers / peft than requirements.txt asks for: put
 # their wheels in .whl/ (ignored by git) and they are installed into /tmp/site first, e.g. on a machine with pip
@@ -39,27 +41,40 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# diffusers' attention dispatcher as vgrpo expects it: torch's SDPA under vgrpo's choice of kernels (--attention)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DIFFUSERS_ATTN_BACKEND=native
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import torch, diffusers, transformers, peft
+    # torch.compile on CUDA needs triton and a C compiler: a missing one fails every compiled configuration
+    python3 -c "import shutil, torch, diffusers, transformers, peft
+try:
+    import triton
+    triton = triton.__version__
+except ImportError as e:
+    triton = f'missing ({e})'
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__,
-      'transformers', transformers.__version__, 'peft', peft.__version__)"
+      'transformers', transformers.__version__, 'peft', peft.__version__, 'triton', triton,
+      'cc', shutil.which('cc') or shutil.which('gcc') or 'missing')"
 } 2>&1 | tee "$out/device.txt"
 {
     if [[ $parts == *" smoke "* ]]; then
-        # each configuration compiles its blocks (--compile auto on CUDA) within its own --timeout
-        timeout 235 python3 bench/smoke.py --timeout 100 --budget 220 ${SMOKE_ONLY:+--only "$SMOKE_ONLY"} \
+        # each configuration compiles its blocks (--compile auto on CUDA) within its own --timeout; -k: a part
+        # that outlives its limit by 10 s (a kill's clean-up) is killed, so the parts after it keep their time
+        timeout -k 10 200 python3 bench/smoke.py --timeout 100 --budget 185 ${SMOKE_ONLY:+--only "$SMOKE_ONLY"} \
             --out "$out/smoke-gpu.md"
         echo "bench/smoke.py: exit $?"
     fi
     if [[ $parts == *" memory "* ]]; then
-        timeout 165 python3 bench/memory.py --gpu --time-limit 105 --out "$out/memory-gpu.md"
+        # what else holds the GPU's memory (a killed configuration's process not yet gone would count as the context)
+        nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+        # SD3.5-M and FLUX.1-dev, LoRA and full fine-tuning, one process and --fsdp: the README's table
+        timeout -k 10 140 python3 bench/memory.py --gpu --models sd3,flux --time-limit 95 --out "$out/memory-gpu.md"
         echo "bench/memory.py --gpu: exit $?"
     fi
     if [[ $parts == *" gpu "* ]]; then
-        # the kernel probe first (about 15 s of the 95), then the models until --time-limit
-        timeout 140 python3 bench/gpu.py --kernels --time-limit 95 --repeats 1 --profile --out "$out/gpu.md"
+        # the kernel probe first (about 15 s of the 120), then the models until --time-limit
+        timeout -k 10 165 python3 bench/gpu.py --kernels --time-limit 120 --repeats 1 --profile ${GPU_MODELS:+--models \
+            "$GPU_MODELS"} --out "$out/gpu.md"
         echo "bench/gpu.py: exit $?"
     fi
 } 2>&1 | tee "$out/device.log"

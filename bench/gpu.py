@@ -4,6 +4,7 @@
     python bench/gpu.py --time-limit 240 --models flux     # stop measuring after 240 s, write what was measured
     python bench/gpu.py --models qwen-image,flux2-klein    # the newer models (not in the default run)
     python bench/gpu.py --quick --out /tmp/gpu.md          # CPU, tiny shapes, float32, seconds (test_bench.py)
+    python bench/gpu.py --merge a/gpu.json,b/gpu.json      # one report of runs on one GPU; measures nothing
 
 The transformers are the real architectures (configurations below and in bench/memory.py, from the models'
 config.json) with random weights: nothing is downloaded. They are built directly on the GPU in bf16 (factory functions
@@ -296,7 +297,7 @@ def measure_model(name, a, gpus, device, deadline, save):
     family, args, cond_shapes = make_family(name, a.quick, device)
     model = family.transformer
     params = vgrpo.add_trainable_weights(family, args)
-    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, fused=device.type == "cuda")   # as vgrpo.build_run
     mb = micro_batch(args, gpus, a.quick)
     sb, k = args.sample_batch, min(a.rollout_steps, args.sample_steps)
     one = dataclasses.replace(args, micro_batch=mb, group_size=mb, inner_steps=1)   # exactly one micro-batch
@@ -343,9 +344,9 @@ def measure_model(name, a, gpus, device, deadline, save):
 
     if "eager" in a.modes:
         attempt("eager", lambda: run_phases(res["phases"], phases, args, k, a.repeats, device, deadline, saved))
-    # what else an iteration does: decode, reward (never compiled); the text encoders once per prompt
-    attempt("decode, reward, text", lambda: measure_beside(res, name, a.quick, family, args, cond, noise, device,
-                                                           deadline, saved))
+    # what else an iteration does: decode, reward (never compiled)
+    attempt("decode, reward", lambda: measure_beside(res, name, a.quick, family, args, cond, noise, device, deadline,
+                                                     saved))
 
     def compiled():
         vgrpo.compile_blocks(family, dataclasses.replace(args, compile="on"), device)
@@ -361,6 +362,8 @@ def measure_model(name, a, gpus, device, deadline, save):
 
     if a.profile and time.perf_counter() < deadline:
         attempt("profile", profile)
+    # last, a cost at start only: the text encoders once per prompt
+    attempt("text", lambda: measure_text(res, name, a.quick, family, device, deadline, saved))
     if "eager" not in a.modes:   # compiled only: its numbers are the phases'
         res["phases"], res["compiled"] = {**res["phases"], **(res["compiled"] or {})}, None
     return res
@@ -609,8 +612,8 @@ def run_phases(out, phases, args, k, repeats, device, deadline, saved):
 
 
 def measure_beside(res, name, quick, family, args, cond, noise, device, deadline, saved):
-    """The VAE decode of --decode-batch images, the reward (PickScore's ViT-H/14 for SD3.5-M, HPSv2.1's for FLUX.1-dev,
-    random weights) on a --sample-batch of images, and the text encoders per prompt."""
+    """The VAE decode of --decode-batch images and the reward (PickScore's ViT-H/14 for SD3.5-M, HPSv2.1's for
+    FLUX.1-dev, random weights) on a --sample-batch of images."""
     import smoke
 
     sb, db = args.sample_batch, args.decode_batch
@@ -627,6 +630,10 @@ def measure_beside(res, name, quick, family, args, cond, noise, device, deadline
         res["phases"][phase] = dict(samples=samples, seconds=seconds, images_per_s=samples / seconds, peak_gib=peak)
         print(f"  {phase}: {seconds:.3f} s for {samples} images", flush=True)
         saved()
+
+
+def measure_text(res, name, quick, family, device, deadline, saved):
+    """The text encoders at their published sizes, seconds per prompt (res["text_s_per_prompt"])."""
     if time.perf_counter() < deadline:
         t5_tokens = {"sd3": 256, "flux": 512}.get(name)
         res["text_s_per_prompt"] = text_encoding(name, quick, device, family.amp_dtype or torch.float32, t5_tokens)
@@ -806,7 +813,14 @@ def main(argv=None):
                                                           "attention shapes (a child process, at most 60 s)")
     p.add_argument("--time-kernels", help=argparse.SUPPRESS)   # --kernels' child process: its JSON specification
     p.add_argument("--out", default=os.path.join(HERE, "results", "gpu.md"), help="markdown; the JSON goes beside it")
+    p.add_argument("--merge", help="measure nothing: comma-separated gpu.json files of runs on one GPU (a rerun of the "
+                                   "models the first had no time for) -> one report of each model's latest result")
     a = p.parse_args(argv)
+    if a.merge:
+        results, meta = merge_runs(a.merge.split(","))
+        write_report(a.out, results, meta)
+        print(f"wrote {a.out}")
+        return 0
     if a.time_kernels:
         spec = json.loads(a.time_kernels)
         return time_kernels(spec["shapes"], spec["kernels"], torch.device("cpu" if spec["quick"] else "cuda"))
@@ -894,12 +908,44 @@ def write(results, kernels, a, where, gpus, skipped, failed, unfinished, argv):
                 date=datetime.date.today().isoformat(), dtype="bf16" if where["gpu"] else "float32",
                 repeats=a.repeats, gpus=gpus, skipped=skipped, failed=failed, unfinished=unfinished, kernels=kernels,
                 command=" ".join(["python bench/gpu.py", *(sys.argv[1:] if argv is None else argv)]))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    for path, text in ((a.out, report(results, meta)),
-                       (os.path.splitext(a.out)[0] + ".json", json.dumps(dict(meta, results=results), indent=1))):
+    write_report(a.out, results, meta)
+
+
+def write_report(out, results, meta):
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    for path, text in ((out, report(results, meta)),
+                       (os.path.splitext(out)[0] + ".json", json.dumps(dict(meta, results=results), indent=1))):
         with open(path + ".partial", "w") as f:
             f.write(text)
         os.replace(path + ".partial", path)
+
+
+def merge_runs(paths):
+    """Several runs' gpu.json, in the order they ran, on one device -> (results, meta): each model's result from the
+    last run that measured it, the first run's setting with every run's command, and only the failures, skips and
+    unfinished models that no later result replaced."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    where = {(run["device"], run["torch"], run["dtype"], run["gpus"]) for run in runs}
+    if len(where) > 1:
+        raise SystemExit(f"bench/gpu.py --merge: the runs differ in device, torch, dtype or --gpus: {sorted(where)}")
+    latest = {}   # model -> (run number, result)
+    for number, run in enumerate(runs):
+        latest.update({res["model"]: (number, res) for res in run["results"]})
+
+    def still(number, entry):   # a failure or skip of run `number` that no later run's result replaced
+        model = entry.split(":")[0].removesuffix(" (being measured)")
+        return latest.get(model, (number, None))[0] <= number
+
+    meta = {k: v for k, v in runs[0].items() if k != "results"}
+    meta.update(command="; then ".join(run["command"] for run in runs),
+                kernels=next((run["kernels"] for run in runs if run.get("kernels")), None),
+                **{key: [entry for number, run in enumerate(runs) for entry in run.get(key) or []
+                         if still(number, entry)] for key in ("skipped", "failed", "unfinished")})
+    order = list(dict.fromkeys(res["model"] for run in runs for res in run["results"]))
+    return [latest[model][1] for model in order], meta
 
 
 if __name__ == "__main__":

@@ -722,8 +722,14 @@ def write_gpu_report(results, fake, device_name, context, seconds, path):
         lines += [""] + [f"- {note}" for note in result["notes"]] + [""]
         if result.get("census"):   # beside fake CUDA's: which tensors make the difference between the two counts
             lines += census_lines([("fake CUDA", fake.get(name, {}).get("census")), ("GPU", result["census"])])
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
+    write_whole(path, "\n".join(lines))
+
+
+def write_whole(path, text):
+    """path's new text, or (killed while writing: device.sh's timeout) its previous one, never half of each."""
+    with open(path + ".partial", "w") as f:
+        f.write(text)
+    os.replace(path + ".partial", path)
 
 
 # GPU memory sizes on sale (GB) -> the GiB the smallest common card of each size reports: x 0.93 up to 48 GB (L4 and
@@ -951,9 +957,9 @@ def main_on_gpu(args, configs, start):
             # after every measurement, so that a run cut short by a timeout leaves what it measured
             context = (context_at_init, outside_torch_now() if answering else None)
             write_gpu_report(results, fake, device, context, time.time() - start, args.out)
-            with open(os.path.splitext(args.out)[0] + ".json", "w") as f:   # --guide reads it
-                json.dump(dict(device=device, torch=torch.__version__, outside_torch=context, results=results), f,
-                          indent=1)
+            write_whole(os.path.splitext(args.out)[0] + ".json",   # --guide reads it
+                        json.dumps(dict(device=device, torch=torch.__version__, outside_torch=context,
+                                        results=results), indent=1))
         print(f"{name}: {time.time() - start:.0f} s {'; '.join(notes)}", flush=True)
     print(f"wrote {args.out}")
     return 0 if answering else 1

@@ -45,15 +45,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 # the recipe's command of each configuration, then the cut: one prompt group (FLUX: 8 images, 2 per inner step);
-# in this order, FLUX.1-dev early (its recipe is the one that crashed on an H200), in case --budget runs out
+# in this order, in case --budget runs out: FLUX.1-dev first (its recipe is the one that crashed on an H200), the
+# digits demo last (it ran on an H200 already)
 CONFIGS = {
-    "digits": ["--model", "digits"],
     "flux-lora": ["--model", "flux", "--reward", "hpsv2", "--prompts-per-step", "1", "--group-size", "8"],
     "sd3-lora": ["--model", "sd3", "--reward", "pickscore", "--prompts-per-step", "1", "--group-size", "4"],
     "flux-lora-fsdp": ["--model", "flux", "--reward", "hpsv2", "--prompts-per-step", "1", "--group-size", "8",
                        "--fsdp"],
     "sd3-full": ["--model", "sd3", "--reward", "pickscore", "--prompts-per-step", "1", "--group-size", "4",
                  "--full-finetune"],
+    "digits": ["--model", "digits"],
 }
 # --quick: tiny transformers (bench/gpu.py's) in float32 at 64 px with 4 ODE steps and 8 text tokens
 QUICK = ["--mixed-precision", "no", "--resolution", "64", "--sample-steps", "4", "--max-sequence-length", "8"]
@@ -188,9 +189,12 @@ def heartbeat(name, every):
         while True:
             time.sleep(every)
             vgrpo = sys.modules.get("vgrpo")   # once imported (its functions defined) and torch.compile loaded
-            loaded = hasattr(vgrpo, "compile_seconds") and "torch._dynamo.utils" in sys.modules
-            frames = vgrpo.compiled_graphs() if loaded else 0
-            compiled = f"; compiled {frames} frames in {vgrpo.compile_seconds() or 0:.0f} s" if frames else ""
+            try:   # torch's counters change while it compiles: a line without them rather than no more lines
+                loaded = hasattr(vgrpo, "compile_seconds") and "torch._dynamo.utils" in sys.modules
+                frames = vgrpo.compiled_graphs() if loaded else 0
+                compiled = f"; compiled {frames} frames in {vgrpo.compile_seconds() or 0:.0f} s" if frames else ""
+            except Exception:   # noqa: BLE001
+                compiled = ""
             print(f"[{name}] {time.perf_counter() - started:.0f} s: {PHASE['now'] or 'starting'}{compiled}",
                   flush=True)
 
@@ -384,7 +388,8 @@ def report(results, meta):
               "held-out: the mean reward on 4 held-out prompts (digits: the accuracy of its last evaluation); peak: "
               "`max_memory_allocated` over this first iteration of one prompt group, where AdamW's states appear at "
               "its first optimizer step (results/memory-gpu.md has each phase at the recipe's batch, the states "
-              "held throughout).", "",
+              "held throughout); iteration s: this first iteration with its compiles and the check's extra "
+              "old-surrogate pass over every minibatch (results/gpu.md has the speeds).", "",
               "| configuration | flags | px, steps, N_MC, inner steps | images | ratio at step 1 | policy loss | "
               "grad norm | held-out | peak GiB | build s | iteration s | compiled: frames, s | result |",
               "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

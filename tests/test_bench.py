@@ -418,6 +418,21 @@ def test_gpu_bench_quick_mode(tmp_path):
     nothing = (tmp_path / "nothing.md").read_text()
     assert "Not measured, --time-limit reached first: SD3.5-M, FLUX.1-dev." in nothing and "(tiny) |" not in nothing
 
+    # --merge (bench/device.sh's rerun of the models a first run had no time for): one report, measuring nothing, of
+    # each model's last result; a skip that a later run measured is gone, one that none did stays
+    runs = [str(tmp_path / name) for name in ("nothing.json", "gpu.json", "compiled.json")]
+    assert gpu.main(["--merge", ",".join(runs), "--out", str(tmp_path / "merged.md")]) == 0
+    merged, merged_md = json.loads((tmp_path / "merged.json").read_text()), (tmp_path / "merged.md").read_text()
+    assert merged["results"] == [r, data["results"][1]]                # SD3.5-M compiled (the last run), FLUX eager
+    assert merged["skipped"] == [] and merged["kernels"] == data["kernels"] and merged["command"].count("; then ") == 2
+    assert "| SD3.5-M | 4 x 8, 10 steps, N_MC 4, 1 inner step(s) | compiled |" in merged_md
+    assert "| FLUX.1-dev 64 px (tiny) | update |" in merged_md and "Not measured" not in merged_md
+    gpu.main(["--merge", f"{runs[0]},{runs[2]}", "--out", str(tmp_path / "partly.md")])
+    assert "Not measured, --time-limit reached first: FLUX.1-dev." in (tmp_path / "partly.md").read_text()
+    (tmp_path / "other.json").write_text(json.dumps(dict(json.loads(open(runs[0]).read()), device="NVIDIA H200")))
+    with pytest.raises(SystemExit, match="differ in device"):
+        gpu.main(["--merge", f"{runs[0]},{tmp_path / 'other.json'}", "--out", str(tmp_path / "refused.md")])
+
 
 @pytest.mark.parametrize("name", ["sd3", "qwen-image"])
 def test_the_gpu_bench_times_the_rollouts_own_forwards_against_it(name):
@@ -742,7 +757,7 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads((tmp_path / "smoke.json").read_text())
     results = {r["name"]: r for r in data["results"]}
-    assert list(results) == ["digits", "flux-lora", "sd3-lora", "flux-lora-fsdp", "sd3-full"]
+    assert list(results) == ["flux-lora", "sd3-lora", "flux-lora-fsdp", "sd3-full", "digits"]
     for name, r in results.items():
         assert "error" not in r, (name, r)
         assert r["skipped_steps"] == 0 and math.isfinite(r["policy_loss"])
@@ -1051,12 +1066,13 @@ def test_the_bench_readmes_memory_table_is_the_one_the_results_give():
 
 
 def test_the_device_script_fits_its_9_minutes_and_8_files():
-    """bench/device.sh: its parts' time limits add up to at most 9 minutes; what it writes to $OUT is at most 8
-    files (the device tool brings back 8)."""
+    """bench/device.sh: its three parts' time limits, each with the grace before its kill, add up to at most 9
+    minutes; what it writes to $OUT is at most 8 files (the device tool brings back 8)."""
     import re
 
     script = open(os.path.join(ROOT, "bench", "device.sh")).read()
-    assert sum(int(t) for t in re.findall(r"^\s*timeout (\d+) ", script, re.M)) <= 9 * 60
+    limits = re.findall(r"^\s*timeout -k (\d+) (\d+) ", script, re.M)
+    assert len(limits) == 3 and sum(int(grace) + int(limit) for grace, limit in limits) <= 9 * 60, limits
     written = set(re.findall(r'"\$out/([\w.-]+)"', script))
     written |= {os.path.splitext(f)[0] + ".json" for f in written if f.endswith(".md")}   # each .md's JSON beside it
     assert len(written) <= 8, written
@@ -1084,7 +1100,7 @@ def test_the_device_script_runs_the_parts_named_and_refuses_others(tmp_path, par
     script = str(tmp_path / "repo" / "bench" / "device.sh")
     assert subprocess.run(["bash", script, *parts], env=env).returncode == 0
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls[0].startswith("-c import torch")   # the version line
+    assert calls[0].startswith("-c ") and "torch.__version__" in calls[0]   # the version line
     assert [call.split()[0] for call in calls[1:]] == [f"bench/{part}.py" for part in ran]
     log = (tmp_path / "out" / "device.log").read_text()
     assert log.count(": exit 0") == len(ran)
@@ -1094,6 +1110,10 @@ def test_the_device_script_runs_the_parts_named_and_refuses_others(tmp_path, par
     assert subprocess.run(["bash", script, "smoke"], env=dict(env, SMOKE_ONLY="sd3-full,digits")).returncode == 0
     smoke = (tmp_path / "calls").read_text().splitlines()[1].split()
     assert smoke[smoke.index("--only") + 1] == "sd3-full,digits"   # the configurations named
+    (tmp_path / "calls").unlink()
+    assert subprocess.run(["bash", script, "gpu"], env=dict(env, GPU_MODELS="flux")).returncode == 0
+    gpu = (tmp_path / "calls").read_text().splitlines()[1].split()
+    assert gpu[gpu.index("--models") + 1] == "flux"   # GPU_MODELS: bench/gpu.py's models
     calls = (tmp_path / "calls").read_text().splitlines()
     refused = subprocess.run(["bash", script, "memory", "gpus"], env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and "no part 'gpus'" in refused.stderr

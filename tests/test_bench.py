@@ -1079,6 +1079,21 @@ def test_the_device_script_fits_its_9_minutes_and_8_files():
     assert subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "device.sh")]).returncode == 0
 
 
+def test_the_device_scripts_commands_are_accepted_by_the_scripts_they_call():
+    """Each of bench/device.sh's three commands, as written there, run here: every flag is one its script accepts (an
+    argparse error would cost the GPU session a part), and without a GPU each stops at its own "no CUDA device"."""
+    import re
+    import shlex
+
+    script = open(os.path.join(ROOT, "bench", "device.sh")).read().replace("\\\n", " ")
+    commands = re.findall(r"^\s*timeout -k \d+ \d+ python3 (bench/\w+\.py .*)$", script, re.M)
+    assert [c.split()[0] for c in commands] == ["bench/smoke.py", "bench/memory.py", "bench/gpu.py"]
+    for command in commands:
+        words = shlex.split(re.sub(r"\$\{\w+:\+[^}]*\}", "", command).replace("$out", str(ROOT)))
+        p = subprocess.run([sys.executable, *words], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and "no CUDA device here" in p.stderr, (words, p.stderr[-2000:])
+
+
 @pytest.mark.parametrize("parts, ran", [((), ["smoke", "memory", "gpu"]), (("gpu", "memory"), ["memory", "gpu"])])
 def test_the_device_script_runs_the_parts_named_and_refuses_others(tmp_path, parts, ran):
     """bench/device.sh runs all three parts, or only those named (a rerun in what a session has left of its GPU

@@ -18,6 +18,8 @@
 #   SMOKE_ONLY=sd3-full,flux-lora-fsdp bash bench/device.sh smoke     the smoke run's configurations named (--only)
 #   GPU_MODELS=flux bash bench/device.sh gpu    bench/gpu.py's models named (--models; default sd3,flux); back here,
 #       python bench/gpu.py --merge FIRST/gpu.json,RERUN/gpu.json    one report of both runs, each model's last result
+#   MEMORY_MODELS=flux bash bench/device.sh memory      the same for bench/memory.py (and its --merge), and
+#       bench/smoke.py --merge for the smoke run's
 #
 # A machine whose Python lacks diffusers or has an older transformers / peft than requirements.txt asks for: put
 # their wheels in .whl/ (ignored by git) and they are installed into /tmp/site first, e.g. on a machine with pip
@@ -68,7 +70,8 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffu
         # what else holds the GPU's memory (a killed configuration's process not yet gone would count as the context)
         nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
         # SD3.5-M and FLUX.1-dev, LoRA and full fine-tuning, one process and --fsdp: the README's table
-        timeout -k 10 140 python3 bench/memory.py --gpu --models sd3,flux --time-limit 95 --out "$out/memory-gpu.md"
+        timeout -k 10 140 python3 bench/memory.py --gpu --models "${MEMORY_MODELS:-sd3,flux}" --time-limit 95 \
+            --out "$out/memory-gpu.md"
         echo "bench/memory.py --gpu: exit $?"
     fi
     if [[ $parts == *" gpu "* ]]; then

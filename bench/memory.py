@@ -693,7 +693,7 @@ def write_report(results, path):
 def write_gpu_report(results, fake, device_name, context, seconds, path):
     """The GPU's own counters per phase beside the fake-CUDA numbers of the same code (results/memory.json)."""
     lines = [f"# Peak GPU memory per phase, measured on {device_name}", "",
-             f"`python bench/memory.py --gpu`, {seconds:.0f} s: the same code as results/memory.md (random weights "
+             f"`python bench/memory.py --gpu`, {'?' if seconds is None else f'{seconds:.0f}'} s: the same code as results/memory.md (random weights "
              "of the real shapes), run on the GPU. allocated: `torch.cuda.max_memory_allocated()` over the phase, "
              "to compare with the fake-CUDA bytes; reserved: `max_memory_reserved()`, the caching allocator's "
              "slack included. `--fsdp` columns: rank 0 of 8 with the fake process group on one GPU. OOM: does not "
@@ -723,6 +723,48 @@ def write_gpu_report(results, fake, device_name, context, seconds, path):
         if result.get("census"):   # beside fake CUDA's: which tensors make the difference between the two counts
             lines += census_lines([("fake CUDA", fake.get(name, {}).get("census")), ("GPU", result["census"])])
     write_whole(path, "\n".join(lines))
+
+
+def fake_results(path):
+    """results/memory.json's fake-CUDA bytes, the GPU report's column beside its own ({} where there are none)."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_gpu_files(run, fake, out):
+    """The --gpu report (markdown) and its JSON beside it (what --guide and --merge read)."""
+    write_gpu_report(run["results"], fake, run["device"], run["outside_torch"], run.get("seconds"), out)
+    write_whole(os.path.splitext(out)[0] + ".json", json.dumps(run, indent=1))
+
+
+def merge_gpu_runs(paths):
+    """Several --gpu runs' JSON on one device, in the order they ran -> one run's: each configuration's measurements
+    (one process, --fsdp) from the last run that made them, and for what no run measured the last run's notes."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    where = {(run["device"], run["torch"]) for run in runs}
+    if len(where) > 1:
+        raise SystemExit(f"bench/memory.py --merge: the runs differ in device or torch: {sorted(where)}")
+    results = {}
+    for run in runs:
+        for name, result in run["results"].items():
+            into = results.setdefault(name, {"notes": {}})
+            for key in ("one", "fsdp"):   # a note says "one process: ..." or "--fsdp over 8: ..."
+                if key in result:
+                    into[key], into["notes"][key] = result[key], []
+                elif key not in into:
+                    into["notes"][key] = [n for n in result["notes"] if n.startswith("--fsdp") == (key == "fsdp")]
+            into.update({k: result[k] for k in ("settings", "census") if result.get(k)})
+    for result in results.values():
+        result["notes"] = [note for key in ("one", "fsdp") for note in result["notes"].get(key, [])]
+    seconds = [run.get("seconds") for run in runs]
+    return dict(device=runs[0]["device"], torch=runs[0]["torch"], results=results,
+                outside_torch=[runs[0]["outside_torch"][0], runs[-1]["outside_torch"][1]],
+                seconds=None if None in seconds else sum(seconds))
 
 
 def write_whole(path, text):
@@ -862,7 +904,15 @@ def main(argv=None):
                         help="--gpu: seconds after which no configuration starts")
     parser.add_argument("--guide", action="store_true", help="measure nothing: write docs/guide.md's memory table "
                         "from results/memory.json and, where it measured, results/memory-gpu.json")
+    parser.add_argument("--merge", help="measure nothing: comma-separated memory-gpu.json files of --gpu runs on one "
+                        "GPU (a rerun of what the first had no time for) -> one report, --out (results/memory-gpu.md)")
     args = parser.parse_args(argv)
+    if args.merge:
+        run = merge_gpu_runs(args.merge.split(","))
+        out = args.out or os.path.join(RESULTS, "memory-gpu.md")
+        write_gpu_files(run, fake_results(args.fake_results), out)
+        print(f"wrote {out}")
+        return 0
     if args.guide:
         update_guide(results_table())
         print(f"wrote the memory table of {GUIDE}")
@@ -926,10 +976,7 @@ def main_on_gpu(args, configs, start):
     torch.cuda.init()
     context_at_init, total = outside_torch()
     device = torch.cuda.get_device_name()
-    fake = {}
-    if os.path.isfile(args.fake_results):
-        with open(args.fake_results) as f:
-            fake = json.load(f)
+    fake = fake_results(args.fake_results)
     results, answering = {}, True
     for kind, full in configs:
         name, result, notes = config_name(kind, full), {}, []
@@ -956,10 +1003,8 @@ def main_on_gpu(args, configs, start):
             result["notes"] = notes
             # after every measurement, so that a run cut short by a timeout leaves what it measured
             context = (context_at_init, outside_torch_now() if answering else None)
-            write_gpu_report(results, fake, device, context, time.time() - start, args.out)
-            write_whole(os.path.splitext(args.out)[0] + ".json",   # --guide reads it
-                        json.dumps(dict(device=device, torch=torch.__version__, outside_torch=context,
-                                        results=results), indent=1))
+            write_gpu_files(dict(device=device, torch=torch.__version__, outside_torch=context,
+                                 seconds=time.time() - start, results=results), fake, args.out)
         print(f"{name}: {time.time() - start:.0f} s {'; '.join(notes)}", flush=True)
     print(f"wrote {args.out}")
     return 0 if answering else 1

@@ -424,7 +424,15 @@ def main(argv=None):
     p.add_argument("--child", help=argparse.SUPPRESS)   # inside the child process: this configuration
     p.add_argument("--heartbeat", type=float, default=10, help="seconds between the progress lines of a "
                    "configuration (the last one of a configuration that timed out says where its time went)")
+    p.add_argument("--merge", help="run nothing: comma-separated smoke-gpu.json files of runs on one GPU (a rerun of "
+                   "the configurations the first had no time for) -> one report, --out; exit 1 if any failed")
     a = p.parse_args(argv)
+    if a.merge:
+        meta, results = merge_runs(a.merge.split(","))
+        write_report(a.out, meta, results)
+        failed = [res["name"] for res in results if problems(res)]
+        print(f"wrote {a.out}" + (f"; FAILED: {', '.join(failed)}" if failed else "; every configuration passed"))
+        return 1 if failed else 0
     if a.child:
         heartbeat(a.child, a.heartbeat)   # first, so that a configuration stuck anywhere says where
     import torch
@@ -449,6 +457,35 @@ def main(argv=None):
     # the runs' checkpoints and logs go with it; a file it cannot remove must not turn the run's verdict into an error
     with tempfile.TemporaryDirectory(prefix="vgrpo-smoke-", ignore_cleanup_errors=True) as work:
         return run_all(names, a, argv, work)
+
+
+def write_report(out, meta, results):
+    """The markdown report and its JSON beside it, each written whole (a kill while writing leaves the last one)."""
+    for path, text in ((out, report(results, meta)),
+                       (os.path.splitext(out)[0] + ".json", json.dumps(dict(meta, results=results), indent=1))):
+        with open(path + ".partial", "w") as f:
+            f.write(text)
+        os.replace(path + ".partial", path)
+
+
+def merge_runs(paths):
+    """Several runs' smoke-gpu.json on one device, in the order they ran -> (meta, results): each configuration's
+    result from the last run that ran it ("not run" replaces nothing), in CONFIGS' order, every run's command."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    where = {(run["device"], run["torch"]) for run in runs}
+    if len(where) > 1:
+        raise SystemExit(f"bench/smoke.py --merge: the runs differ in device or torch: {sorted(where)}")
+    latest = {}
+    for run in runs:
+        for res in run["results"]:
+            if not str(res.get("error", "")).startswith("not run") or res["name"] not in latest:
+                latest[res["name"]] = res
+    meta = {k: v for k, v in runs[0].items() if k != "results"}
+    meta["command"] = "; then ".join(run["command"] for run in runs)
+    return meta, [latest[name] for name in CONFIGS if name in latest]
 
 
 def run_all(names, a, argv, work):
@@ -476,10 +513,7 @@ def run_all(names, a, argv, work):
             res = dict(name=name, error=f"not run: --budget {a.budget:g} s spent")
         results.append(res)
         print(f"{name}: {'; '.join(problems(res)) or 'ok'} ({time.perf_counter() - started:.0f} s)", flush=True)
-        with open(a.out, "w") as f:   # after every configuration: a run cut short keeps what it did
-            f.write(report(results, meta))
-        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-            json.dump(dict(meta, results=results), f, indent=1)
+        write_report(a.out, meta, results)   # after every configuration: a run cut short keeps what it did
     failed = [res["name"] for res in results if problems(res)]
     print(f"wrote {a.out}" + (f"; FAILED: {', '.join(failed)}" if failed else "; every configuration passed"))
     return 1 if failed else 0

@@ -792,6 +792,18 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
     assert "**failed**: no result within the 2 s left of --budget 2 (last: [sd3-lora] " in report
     assert "**failed**: not run: --budget 2 s spent |" in report
     assert "sd3-lora failed; its output ended:\n    [sd3-lora] " in failing.stdout
+    # --merge (a rerun of what a GPU session's first run had no time for): each configuration's last result, where
+    # "not run" replaces nothing
+    merged_md = tmp_path / "merged.md"
+    assert smoke.main(["--merge", f"{tmp_path / 'f.json'},{tmp_path / 'smoke.json'}", "--out", str(merged_md)]) == 0
+    assert json.loads((tmp_path / "merged.json").read_text())["results"] == data["results"]
+    assert merged_md.read_text().count("| eager | ok |") == 5
+    assert smoke.main(["--merge", f"{tmp_path / 'smoke.json'},{tmp_path / 'f.json'}", "--out", str(merged_md)]) == 1
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert [r["name"] for r in merged["results"]] == list(results)
+    assert merged["results"][0] == results["flux-lora"]                    # "not run" in the later run
+    assert merged["results"][1]["error"].startswith("no result within")   # the later run's failure
+    assert merged["command"].count("; then ") == 1
 
 
 def processes_naming(text):
@@ -963,6 +975,25 @@ def test_the_memory_benchmarks_gpu_mode_reports_what_it_measured_once_the_device
     md = out.read_text()
     assert "1.00 GiB after `torch.cuda.init()`, not measured after the runs (the device stopped answering)" in md
     assert "| update, checkpointing on | " in md and "| 11.00 | 12.00 |" in md
+    # a rerun of FLUX.1-dev in a fresh process (MEMORY_MODELS=flux in bench/device.sh), then --merge: one report,
+    # each configuration's measurements from the run that made them, the notes only of what neither measured
+    broken.clear()
+    monkeypatch.setattr(memory, "measure", lambda kind, full_finetune, fsdp: (
+        [["update, checkpointing on", (21 + fsdp) * 2 ** 30, 22 * 2 ** 30]], argparse.Namespace(), None))
+    assert memory.main(["--gpu", "--models", "flux", "--out", str(tmp_path / "rerun.md")]) == 0
+    rerun = json.loads((tmp_path / "rerun.json").read_text())
+    assert memory.main(["--merge", f"{tmp_path / 'memory-gpu.json'},{tmp_path / 'rerun.json'}",
+                        "--out", str(tmp_path / "merged.md")]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert list(merged["results"]) == list(results) and merged["outside_torch"] == [2 ** 30, 2 ** 30]
+    keys = ("one", "fsdp", "notes", "settings")
+    assert {k: merged["results"]["sd3 LoRA r32"].get(k) for k in keys} == \
+        {k: results["sd3 LoRA r32"].get(k) for k in keys}                      # the first run's, its note kept
+    assert merged["results"]["sd3 full fine-tuning"]["notes"] == results["sd3 full fine-tuning"]["notes"]
+    for name in ("flux LoRA r32", "flux full fine-tuning"):                      # the rerun's
+        assert {k: merged["results"][name].get(k) for k in keys} == {k: rerun["results"][name].get(k) for k in keys}
+    assert merged["results"]["flux LoRA r32"]["notes"] == [] and "| 22.00 | 22.00 |" in \
+        (tmp_path / "merged.md").read_text()
 
 
 def test_the_workspace_census_is_each_ops_rise_of_the_peak_less_the_tensors_it_made(monkeypatch):
@@ -1073,9 +1104,13 @@ def test_the_device_script_fits_its_9_minutes_and_8_files():
     script = open(os.path.join(ROOT, "bench", "device.sh")).read()
     limits = re.findall(r"^\s*timeout -k (\d+) (\d+) ", script, re.M)
     assert len(limits) == 3 and sum(int(grace) + int(limit) for grace, limit in limits) <= 9 * 60, limits
-    written = set(re.findall(r'"\$out/([\w.-]+)"', script))
+    names = re.findall(r'"\$out/([\w.-]+)"', script)
+    # every use of the folder is one of those names, or its mkdir: no file goes there uncounted
+    assert script.count("$out") + script.count("${out}") == len(names) + 1 and 'mkdir -p "$out"' in script
+    written = set(names)
     written |= {os.path.splitext(f)[0] + ".json" for f in written if f.endswith(".md")}   # each .md's JSON beside it
-    assert len(written) <= 8, written
+    assert written == {"device.txt", "device.log", "smoke-gpu.md", "smoke-gpu.json", "memory-gpu.md",
+                       "memory-gpu.json", "gpu.md", "gpu.json"}
     assert subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "device.sh")]).returncode == 0
 
 
@@ -1089,7 +1124,8 @@ def test_the_device_scripts_commands_are_accepted_by_the_scripts_they_call():
     commands = re.findall(r"^\s*timeout -k \d+ \d+ python3 (bench/\w+\.py .*)$", script, re.M)
     assert [c.split()[0] for c in commands] == ["bench/smoke.py", "bench/memory.py", "bench/gpu.py"]
     for command in commands:
-        words = shlex.split(re.sub(r"\$\{\w+:\+[^}]*\}", "", command).replace("$out", str(ROOT)))
+        command = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", re.sub(r"\$\{\w+:\+[^}]*\}", "", command))  # the defaults
+        words = shlex.split(command.replace("$out", str(ROOT)))
         p = subprocess.run([sys.executable, *words], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert p.returncode == 2 and "no CUDA device here" in p.stderr, (words, p.stderr[-2000:])
 

@@ -142,6 +142,9 @@ def qwen_tokenizer(extra=()):
     return tokenizer
 
 
+JUDGE_ANSWER = "Final Score: 4"   # what the stand-in judge answers, a score of 4 / 5 = 0.8
+
+
 def build_llava_judge(directory, seed):
     """A VLM judge for the unifiedreward tests, served by `transformers serve`: LLaVA (a CLIP ViT, a projector, a
     Qwen2 language model) as UnifiedReward-7b-v1.5 is (LLaVA-OneVision on Qwen2), 32 wide, one layer each, 112 px
@@ -152,7 +155,8 @@ def build_llava_judge(directory, seed):
                               LlavaProcessor, Qwen2Config)
 
     tokenizer = qwen_tokenizer(extra=["<image>"])
-    end, image = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<image>"])
+    tokenizer.add_tokens([JUDGE_ANSWER])   # one token, so that a one-layer model can be made to write it
+    end, image, answer = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<image>", JUDGE_ANSWER])
     text = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, eos_token_id=end,
                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
@@ -161,7 +165,14 @@ def build_llava_judge(directory, seed):
     config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=image,
                          vision_feature_select_strategy="default", vision_feature_layer=-1)
     with seeded(seed, "llava_judge"):
-        LlavaForConditionalGeneration(config).eval().save_pretrained(directory)
+        judge = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():   # its greedy answer is JUDGE_ANSWER, over and over, for any image and caption: every
+        # token's embedding has 10 in coordinate 0, far above what the layer adds (weights of std 0.02), so the last
+        # hidden state's coordinate 0 is positive, and the only row of lm_head that reads anything reads it
+        judge.model.language_model.embed_tokens.weight[:, 0] = 10.0
+        judge.lm_head.weight.zero_()
+        judge.lm_head.weight[answer, 0] = 1.0
+    judge.save_pretrained(directory)
     processor = CLIPImageProcessor(size={"shortest_edge": 112}, crop_size={"height": 112, "width": 112},
                                    image_mean=CLIP_MEAN, image_std=CLIP_STD)
     LlavaProcessor(image_processor=processor, tokenizer=tokenizer, patch_size=14, num_additional_image_tokens=1,

@@ -80,7 +80,8 @@ def test_compiled_runs_resume_exactly_and_train_the_same_on_two_processes(tmp_pa
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     w = weights(tmp_path / "whole", 2)
     for other in ("resumed", "two"):
-        assert all(torch.equal(w[k], v) for k, v in weights(tmp_path / other, 2).items()), other
+        other_w = weights(tmp_path / other, 2)
+        assert other_w.keys() == w.keys() and all(torch.equal(w[k], v) for k, v in other_w.items()), other
     w_sharded = weights(tmp_path / "sharded", 2)
     assert w_sharded.keys() == w.keys()
     assert all(torch.allclose(w_sharded[k], v, rtol=1e-4, atol=1e-8) for k, v in w.items())   # LoRA's B moved ~1e-3

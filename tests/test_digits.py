@@ -55,7 +55,10 @@ def test_the_judges_match_their_formulas_on_the_committed_weights():
     # k-NN by brute force: the k closest reference images, majority vote, ties to the digit seen nearest, and
     # "no digit" (10) when the nearest is beyond the gate
     ref, labels, k = t["knn.ink"].double().numpy(), t["knn.labels"].numpy(), int(t["knn.k"])
-    for pictures in (images, 1 - 0.9 * (digit_images(16, seed=3) > 0.7).float()):
+    # the training digits themselves (pictures of their ink, every 25th), within the gate: the vote decides
+    references = (1 - t["knn.ink"][::25].float()).view(-1, 1, 16, 16).repeat(1, 3, 1, 1)
+    voted = set()
+    for pictures in (images, 1 - 0.9 * (digit_images(16, seed=3) > 0.7).float(), references):
         expected = []
         rows = 1 - (np.round(pictures.numpy() * 255) / 255).mean(1).reshape(len(pictures), -1)
         for row in rows:
@@ -66,6 +69,8 @@ def test_the_judges_match_their_formulas_on_the_committed_weights():
             vote = next(labels[i] for i in order if labels[i] in tied)
             expected.append(10 if distance[order[0]] > float(t["knn.max_distance"]) else vote)
         assert judge.knn_predict(pictures).tolist() == expected
+        voted |= set(expected) - {10}
+    assert voted == set(range(10))                                   # every digit, by vote
 
 
 def test_knn_breaks_a_tie_towards_the_digit_whose_image_is_nearest_and_refuses_far_images():
@@ -78,6 +83,8 @@ def test_knn_breaks_a_tie_towards_the_digit_whose_image_is_nearest_and_refuses_f
     assert judge.knn_predict(white).tolist() == [3]                  # 2 votes each; the nearest image is a 3
     judge.labels = torch.tensor([5, 3, 3, 5])
     assert judge.knn_predict(white).tolist() == [5]
+    judge.labels = torch.tensor([3, 5, 5, 7])
+    assert judge.knn_predict(white).tolist() == [5]                  # the majority, though the nearest is a 3
     judge.max_distance = 0.05                                        # the nearest image is 0.1 away: no digit
     assert judge.knn_predict(white).tolist() == [reward.NO_DIGIT]
 
@@ -144,6 +151,7 @@ def test_the_digit_reward_ranks_a_real_digit_of_the_prompted_class_first():
 
     _, _, images, labels = pretrain.load_split(0, 0.2)
     seven = images[labels == 7][:4]
+    assert len(seven) == 4
     fn = reward.load_reward("digit")
     right, wrong = fn(seven, ["a seven"] * 4), fn(seven, ["a one"] * 4)
     assert (right > 0.8).all() and (wrong < 0.1).all()

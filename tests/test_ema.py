@@ -38,6 +38,7 @@ def test_the_ema_follows_its_formula_after_every_optimizer_step_and_swaps_back(t
     assert len(steps) == 4
     moved = max((e - s.double()).abs().max().item() for e, s in zip(expected, [p.detach() for p in run.params]))
     assert moved > 1e-4                                                   # the EMA lags the weights
+    assert len(run.ema.shadow) == len(run.params) == len(expected) > 0
     for e, shadow in zip(expected, run.ema.shadow):
         torch.testing.assert_close(shadow.double(), e, rtol=0, atol=1e-6)
     trained = [p.detach().clone() for p in run.params]
@@ -66,8 +67,9 @@ def test_the_ema_is_saved_loaded_by_diffusers_resumed_exactly_and_equal_on_two_p
     assert any(not torch.equal(one[k], trained[k]) for k in one)          # the EMA is not the weights
     assert any(not torch.equal(one[k], first[k]) for k in one)            # and it moved from iteration 1 to 2
     for name in ("two", "resumed"):                                       # bit for bit, as the weights
-        assert all(torch.equal(one[k], v) for k, v in lora(name).items()), name
+        assert lora(name).keys() == one.keys() and all(torch.equal(one[k], v) for k, v in lora(name).items()), name
     sharded = lora("fsdp")                                                # FSDP: equal to rounding (test_fsdp.py)
+    assert sharded.keys() == one.keys()
     assert all(torch.allclose(one[k], v, rtol=0, atol=1e-6) for k, v in sharded.items())
     pipe = vgrpo.build_tiny_sd3_pipeline()                                # the format the pipelines load
     pipe.load_lora_weights(str(tmp_path / "one" / "checkpoint-2" / "ema"))

@@ -47,6 +47,7 @@ def metrics(out):
 
 
 def distance(a, b):
+    assert a.keys() == b.keys() and a, "the two checkpoints hold different (or no) tensors"
     return sum((a[k].double() - b[k].double()).pow(2).sum() for k in a).sqrt().item()
 
 

@@ -110,6 +110,7 @@ def test_the_kl_to_the_initial_model_trains_alike_on_one_and_two_processes_and_u
     weights = {name: lora(tmp_path / name, 2) for name in ("one", "two", "fsdp")}
     kl = {name: [m["kl"] for m in metrics(tmp_path / name)] for name in ("one", "two", "fsdp")}
     assert kl["one"][0] > 0 and kl["one"][1] > 0     # the second inner step of each iteration has moved the LoRA
+    assert weights["one"].keys() == weights["two"].keys() == weights["fsdp"].keys()
     assert all(torch.equal(weights["one"][k], v) for k, v in weights["two"].items())
     assert all(torch.allclose(weights["one"][k], v, rtol=0, atol=1e-6) for k, v in weights["fsdp"].items())
     assert kl["two"] == pytest.approx(kl["one"], rel=1e-5) and kl["fsdp"] == pytest.approx(kl["one"], rel=1e-3)

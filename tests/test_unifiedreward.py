@@ -295,10 +295,10 @@ def test_the_reward_scores_every_image_on_transformers_serve(served_judge):
     fn = reward.load_reward(f"unifiedreward@{base}?max_tokens=6&concurrency=3")   # the model asked from /models
     images = _images(5, side=32)
     got = fn(images, ["a cat", "a dog", "a red cube", "two cups", "a sign"])
-    # a random judge's answers are noise: each scores 0 (no score) or a score in [0.2, 1]
-    assert got.shape == (5,) and all(v == 0 or 0.2 <= v <= 1 for v in got.tolist())
-    unparsed = fn.last_counts["unifiedreward_unparsed"]
-    assert unparsed == pytest.approx(float((got == 0).float().mean()))
+    # the stand-in judge answers "Final Score: 4" (repeated up to max_tokens) to every image: 4 / 5, read from the
+    # server's reply for each image
+    assert hub_standins.JUDGE_ANSWER == "Final Score: 4"
+    assert got.tolist() == pytest.approx([0.8] * 5) and fn.last_counts["unifiedreward_unparsed"] == 0
     again = reward.load_reward(f"unifiedreward@{base}?model={model}&max_tokens=6")(images, ["a cat", "a dog",
                                                                                          "a red cube", "two cups",
                                                                                          "a sign"])
@@ -322,9 +322,8 @@ def test_a_run_logs_the_share_of_answers_without_a_score(served_judge, tmp_path)
         capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    assert 0 <= m["reward_unifiedreward_unparsed"] <= 1 and "reward_unifiedreward" in m and "reward_jpeg" in m
-    if m["reward_unifiedreward_unparsed"] > 0:
-        assert "an answer without 'Final Score: 1-5', scored 0" in proc.stderr
+    assert m["reward_unifiedreward"] == pytest.approx(0.8) and "reward_jpeg" in m     # the judge's "Final Score: 4"
+    assert m["reward_unifiedreward_unparsed"] == 0 and "an answer without 'Final Score" not in proc.stderr
 
 
 def test_flux_preference_says_how_to_add_the_papers_fourth_reward(capsys, monkeypatch, tmp_path):

@@ -60,18 +60,30 @@ def test_one_inner_step_runs_no_old_surrogate_pass(inner_steps):
     assert sorted(calls) == sorted(rollout + old + update)
 
 
-def test_host_syncs_per_iteration_do_not_grow_with_micro_batches_or_ode_steps():
+def test_host_syncs_per_iteration_do_not_grow_with_micro_batches_or_ode_steps(monkeypatch):
+    """Reading a value on the host (.item(), a comparison's bool: aten._local_scalar_dense) and copying to it
+    (.tolist(), .cpu(), .numpy(): no op on the CPU, a wait on a GPU) happen a fixed number of times per iteration."""
     def syncs(**flags):
         run = build(**flags)
         vgrpo.train_iteration(run, 0)  # warm-up: lazy initialisations may read a value once
-        with CountOps() as mode:
-            vgrpo.train_iteration(run, 1)
-        return mode.counts["aten._local_scalar_dense"]
+        copies = collections.Counter()
+        with monkeypatch.context() as patched:
+            for name in ("tolist", "cpu", "numpy"):
+                def counted(self, *args, _name=name, _method=getattr(torch.Tensor, name), **kwargs):
+                    copies[_name] += 1
+                    return _method(self, *args, **kwargs)
+                patched.setattr(torch.Tensor, name, counted)
+            with CountOps() as mode:
+                vgrpo.train_iteration(run, 1)
+        return mode.counts["aten._local_scalar_dense"], dict(copies)
 
     base = syncs(micro_batch=8, sample_steps=4)
+    assert base[0] > 0 and base[1].get("cpu", 0) > 0   # both counts see something (the reward reads the pictures)
     assert syncs(micro_batch=2, sample_steps=4) == base     # 4x the micro-batches
     assert syncs(micro_batch=8, sample_steps=8) == base     # 2x the ODE steps
-    assert syncs(micro_batch=8, sample_steps=4, sample_batch=2) == base  # 4x the sampling passes
+    passes = syncs(micro_batch=8, sample_steps=4, sample_batch=2)       # 4x the sampling passes,
+    passes[1].pop("tolist"), base[1].pop("tolist")                       # each reading the CPU grid (sample_ode)
+    assert passes == base
 
 
 def test_each_phase_is_timed_to_the_end_of_its_gpu_work_with_one_sync(monkeypatch):

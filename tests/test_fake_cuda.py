@@ -142,7 +142,9 @@ def test_strict_mode_fails_on_an_op_mixing_a_cpu_array_with_a_cuda_tensor(worker
     # a CUDA result written into a CPU flag, even a 0-dim one, fails on a GPU
     assert got["strict_written_scalar"].startswith("DeviceMixError: aten.bitwise_and_.Tensor")
     assert got["lenient_index_shape"] == [2, 4] and len(got["lenient_mixes"]) == 1
-    assert got["scalar_ok"] and got["transfer_counts"] == {"h2d_copy": 1, "d2h_sync": 2}
+    # three copies to the GPU, of which the pageable one that asked to overlap is counted apart (the iteration's test
+    # asserts there is none)
+    assert got["scalar_ok"] and got["transfer_counts"] == {"h2d_copy": 3, "d2h_sync": 2, "h2d_pageable_non_blocking": 1}
 
 
 def test_device_memory_counts_what_a_gpu_holds(worker):
@@ -503,6 +505,8 @@ def mixing_ops():
         y = torch.randn(3, device="cuda") * torch.tensor(2.0)   # a CPU scalar is a kernel argument: fine
         y = y + torch.arange(3.0).to("cuda")                      # one copy
         out["scalar_ok"] = y.device.type == "cuda" and y.sum().item() == 0.5 and y.cpu().tolist() == [0.5] * 3
+        torch.arange(4.0).to("cuda", non_blocking=True)                # asked to overlap from pageable memory
+        torch.arange(4.0).pin_memory().to("cuda", non_blocking=True)   # from pinned memory: it may
         out["transfer_counts"] = dict(gpu.counts)
     return out
 

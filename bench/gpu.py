@@ -61,6 +61,7 @@ sys.path.insert(0, HERE)
 import memory  # noqa: E402
 import vgrpo  # noqa: E402
 from memory import one_line  # noqa: E402
+from report_files import read_runs, write_whole  # noqa: E402
 
 # stabilityai/stable-diffusion-3.5-medium's transformer (2.24B) and black-forest-labs/FLUX.1-dev's (11.9B)
 SD3_CONFIG = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
@@ -913,24 +914,15 @@ def write(results, kernels, a, where, gpus, skipped, failed, unfinished, argv):
 
 def write_report(out, results, meta):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    for path, text in ((out, report(results, meta)),
-                       (os.path.splitext(out)[0] + ".json", json.dumps(dict(meta, results=results), indent=1))):
-        with open(path + ".partial", "w") as f:
-            f.write(text)
-        os.replace(path + ".partial", path)
+    write_whole(out, report(results, meta))
+    write_whole(os.path.splitext(out)[0] + ".json", json.dumps(dict(meta, results=results), indent=1))
 
 
 def merge_runs(paths):
     """Several runs' gpu.json, in the order they ran, on one device -> (results, meta): each model's result from the
     last run that measured it, the first run's setting with every run's command, and only the failures, skips and
     unfinished models that no later result replaced."""
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            runs.append(json.load(f))
-    where = {(run["device"], run["torch"], run["dtype"], run["gpus"]) for run in runs}
-    if len(where) > 1:
-        raise SystemExit(f"bench/gpu.py --merge: the runs differ in device, torch, dtype or --gpus: {sorted(where)}")
+    runs = read_runs(paths, ("device", "torch", "dtype", "gpus"), "gpu.py")
     latest = {}   # model -> (run number, result)
     for number, run in enumerate(runs):
         latest.update({res["model"]: (number, res) for res in run["results"]})

@@ -53,7 +53,9 @@ import types
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from report_files import read_runs, write_whole  # noqa: E402
 from tests import fake_cuda  # noqa: E402
 
 # --------------------------------------------------------------------------- the published configurations (facts)
@@ -742,13 +744,7 @@ def write_gpu_files(run, fake, out):
 def merge_gpu_runs(paths):
     """Several --gpu runs' JSON on one device, in the order they ran -> one run's: each configuration's measurements
     (one process, --fsdp) from the last run that made them, and for what no run measured the last run's notes."""
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            runs.append(json.load(f))
-    where = {(run["device"], run["torch"]) for run in runs}
-    if len(where) > 1:
-        raise SystemExit(f"bench/memory.py --merge: the runs differ in device or torch: {sorted(where)}")
+    runs = read_runs(paths, ("device", "torch"), "memory.py")
     results = {}
     for run in runs:
         for name, result in run["results"].items():
@@ -765,13 +761,6 @@ def merge_gpu_runs(paths):
     return dict(device=runs[0]["device"], torch=runs[0]["torch"], results=results,
                 outside_torch=[runs[0]["outside_torch"][0], runs[-1]["outside_torch"][1]],
                 seconds=None if None in seconds else sum(seconds))
-
-
-def write_whole(path, text):
-    """path's new text, or (killed while writing: device.sh's timeout) its previous one, never half of each."""
-    with open(path + ".partial", "w") as f:
-        f.write(text)
-    os.replace(path + ".partial", path)
 
 
 # GPU memory sizes on sale (GB) -> the GiB the smallest common card of each size reports: x 0.93 up to 48 GB (L4 and

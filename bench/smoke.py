@@ -43,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+from report_files import read_runs, write_whole  # noqa: E402
 
 # the recipe's command of each configuration, then the cut: one prompt group (FLUX: 8 images, 2 per inner step);
 # in this order, in case --budget runs out: FLUX.1-dev first (its recipe is the one that crashed on an H200), the
@@ -461,23 +462,14 @@ def main(argv=None):
 
 def write_report(out, meta, results):
     """The markdown report and its JSON beside it, each written whole (a kill while writing leaves the last one)."""
-    for path, text in ((out, report(results, meta)),
-                       (os.path.splitext(out)[0] + ".json", json.dumps(dict(meta, results=results), indent=1))):
-        with open(path + ".partial", "w") as f:
-            f.write(text)
-        os.replace(path + ".partial", path)
+    write_whole(out, report(results, meta))
+    write_whole(os.path.splitext(out)[0] + ".json", json.dumps(dict(meta, results=results), indent=1))
 
 
 def merge_runs(paths):
     """Several runs' smoke-gpu.json on one device, in the order they ran -> (meta, results): each configuration's
     result from the last run that ran it ("not run" replaces nothing), in CONFIGS' order, every run's command."""
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            runs.append(json.load(f))
-    where = {(run["device"], run["torch"]) for run in runs}
-    if len(where) > 1:
-        raise SystemExit(f"bench/smoke.py --merge: the runs differ in device or torch: {sorted(where)}")
+    runs = read_runs(paths, ("device", "torch"), "smoke.py")
     latest = {}
     for run in runs:
         for res in run["results"]:

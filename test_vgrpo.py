@@ -3,6 +3,7 @@ and an analytic ODE, and whole runs launched as a user would (subprocess, torchr
 CPU only, offline: every model is a tiny random one built in code, except the demo's learning run, which uses the
 shipped digits model (digits/pipeline)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -827,6 +828,23 @@ def test_flags_out_of_range_are_refused_before_any_model_loads(flags, message, t
     with pytest.raises(vgrpo.UsageError) as e:
         vgrpo.validate(args, 1)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_help_gives_every_flags_default(capsys):
+    """--help: each flag's entry says its default, the Args field's value or, where --model decides it, the
+    recipe's values in the flag's own words."""
+    with pytest.raises(SystemExit):
+        vgrpo.parse_args(["--help"])
+    text = capsys.readouterr().out
+    entries = {}
+    for block in re.split(r"\n(?=  --)", text.split("options:", 1)[1]):
+        entries[block.split()[0].rstrip(",")] = " ".join(block.split())
+    fields = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(vgrpo.Args)}
+    assert fields <= set(entries)
+    assert [flag for flag in fields if "default" not in entries[flag]] == []
+    assert "(default: 4)" in entries["--n-mc"] and "(default: 0.01)" in entries["--clip-eps"]
+    assert entries["--beta"].endswith("(default: 0.0)") and entries["--save-every"].endswith("(default: set by --model)")
+    assert entries["--tf32"].endswith("(default: --tf32)") and entries["--fsdp"].endswith("(default: --no-fsdp)")
 
 
 def test_fsdp_under_torchrun_is_refused_with_fp16_only(tmp_path, monkeypatch):

@@ -155,7 +155,7 @@ class Args:
     offload_text_encoders: bool = arg(True, "keep the text encoders on the CPU except while new prompts are encoded "
                                             "(CUDA)")
     seed: int = arg(0, "seed: every random draw is keyed by (seed, iteration, prompt, member)")
-    output_dir: str = arg(None, "metrics, samples, checkpoints (default runs/NAME: --curriculum, --preset or --model)")
+    output_dir: str = arg(None, "metrics, samples, checkpoints (default runs/curriculum-NAME, PRESET or MODEL)")
     resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in "
                           "--output-dir")
     save_every: int = arg(None, "save a checkpoint every N iterations and at the end (25 real models, 80 digits, "
@@ -753,12 +753,16 @@ def parse_args(argv=None):
     # no abbreviated flags: they would slip past --curriculum's refusal of flags it sets stage by stage
     p = argparse.ArgumentParser(description="V-GRPO training (arXiv 2604.23380)", allow_abbrev=False)
     for f in dataclasses.fields(Args):
-        name = "--" + f.name.replace("_", "-")
+        name, text = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.type in (bool, "bool"):  # --flag / --no-flag
-            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            text += "" if "default" in text else f" (default: {name if f.default else '--no-' + name[2:]})"
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            p.add_argument(name, type=typ, default=f.default, help=f.metadata["help"])
+            if "default" not in text:  # None: each model's recipe decides (the help gives its values)
+                shown = "set by --model" if f.default is None else "none" if f.default == "" else f.default
+                text += f" (default: {shown})"
+            p.add_argument(name, type=typ, default=f.default, help=text)
     known = p.parse_known_args(argv)[0]
     if known.preset:
         if known.preset not in PRESETS:

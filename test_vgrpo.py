@@ -3,6 +3,7 @@ and an analytic ODE, and whole runs launched as a user would (subprocess, torchr
 CPU only, offline: every model is a tiny random one built in code, except the demo's learning run, which uses the
 shipped digits model (digits/pipeline)."""
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -830,21 +831,40 @@ def test_flags_out_of_range_are_refused_before_any_model_loads(flags, message, t
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_help_gives_every_flags_default(capsys):
-    """--help: each flag's entry says its default, the Args field's value or, where --model decides it, the
+class BooleanOptionalActionOfPython310(argparse.BooleanOptionalAction):
+    """Python 3.10's on/off flag, which appends its own default to the help it is given."""
+
+    def __init__(self, *args, help=None, default=None, **kwargs):
+        if help is not None and default is not None:
+            help += " (default: %(default)s)"
+        super().__init__(*args, help=help, default=default, **kwargs)
+
+
+@pytest.mark.parametrize("python", ["this", "3.10"])
+def test_help_gives_every_flags_default(capsys, monkeypatch, python):
+    """--help: each flag's entry says its default once: the Args field's value or, where --model decides it, the
     recipe's values in the flag's own words."""
+    if python == "3.10":
+        monkeypatch.setattr(argparse, "BooleanOptionalAction", BooleanOptionalActionOfPython310)
     with pytest.raises(SystemExit):
         vgrpo.parse_args(["--help"])
     text = capsys.readouterr().out
     entries = {}
     for block in re.split(r"\n(?=  --)", text.split("options:", 1)[1]):
-        entries[block.split()[0].rstrip(",")] = " ".join(block.split())
-    fields = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(vgrpo.Args)}
-    assert fields <= set(entries)
-    assert [flag for flag in fields if "default" not in entries[flag]] == []
+        entries[block.split()[0].rstrip(",")] = " ".join(block.split()).replace("- ", "-")  # unwrap "--no-gradient-"
+    fields = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(vgrpo.Args)}
+    assert set(fields) <= set(entries)
+    assert [flag for flag in fields if entries[flag].count("default") != 1] == []
+    for flag, f in fields.items():
+        if "default" not in f.metadata["help"]:   # the suffix parse_args writes, the field's value in it
+            shown = ("set by --model" if f.default is None else "none" if f.default == "" else
+                     (flag if f.default else "--no-" + flag[2:]) if isinstance(f.default, bool) else f.default)
+            assert entries[flag].endswith(f"(default: {shown})"), entries[flag]
     assert "(default: 4)" in entries["--n-mc"] and "(default: 0.01)" in entries["--clip-eps"]
     assert entries["--beta"].endswith("(default: 0.0)") and entries["--save-every"].endswith("(default: set by --model)")
     assert entries["--tf32"].endswith("(default: --tf32)") and entries["--fsdp"].endswith("(default: --no-fsdp)")
+    assert entries["--attention"].endswith("(default: flash,efficient,math)")
+    assert "default: on for real models" in entries["--gradient-checkpointing"]
 
 
 def test_fsdp_under_torchrun_is_refused_with_fp16_only(tmp_path, monkeypatch):

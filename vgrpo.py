@@ -145,13 +145,13 @@ class Args:
                                      "the surrogate, the loss, trained weights and AdamW stay float32 (bf16 for real "
                                      "models, no for digits and the tiny ones)")
     gradient_checkpointing: bool = arg(None, "recompute activations in the backward pass (less memory, ~30%% slower; "
-                                             "on for real models, off for digits and tiny)")
+                                             "default: on for real models, off for digits and tiny)")
     tf32: bool = arg(True, "allow TF32 matmuls on CUDA (Ampere and newer)")
     compile: str = arg("auto", "torch.compile each transformer block, once per run: on, off, auto (on CUDA except "
                                "for digits and tiny); every pass runs the compiled blocks (docs/method.md)")
     attention: str = arg("flash,efficient,math", "the attention kernels torch may pick on CUDA, from flash, efficient, "
-                                                 "cudnn, math (all four: torch's own choice); the default leaves out "
-                                                 "cuDNN's, which fails in the backward on Hopper (docs/method.md)")
+                                                 "cudnn, math (all four: torch's own choice); cuDNN's is left out "
+                                                 "unless named: it fails in the backward on Hopper (docs/method.md)")
     offload_text_encoders: bool = arg(True, "keep the text encoders on the CPU except while new prompts are encoded "
                                             "(CUDA)")
     seed: int = arg(0, "seed: every random draw is keyed by (seed, iteration, prompt, member)")
@@ -398,7 +398,7 @@ class Run:
     """Everything an iteration needs, made once at start by build_run."""
     args: Args
     family: Family
-    model: torch.nn.Module           # the transformer as the update runs it: DDP-wrapped on several processes
+    model: torch.nn.Module           # as the update runs it: DDP-wrapped on several processes (--fsdp: sharded)
     optimizer: torch.optim.Optimizer
     params: list
     reward_fn: object
@@ -431,7 +431,7 @@ def train_iteration(run, it):
     with timer("rollout"):
         sample_ids, prompts, metadata = local_samples(run, it)
         cond, o, images = generate(run, prompts, [(args.seed, "noise", it, j, m) for j, m in sample_ids])
-    # Reward, and 2. group-normalised advantages (each rank owns whole groups: no communication)
+    # 2. The reward and group-normalised advantages (each rank owns whole groups: no communication)
     with timer("reward"):
         r = score(run.reward_fn, images, prompts, metadata).to(run.device)
         A = iteration_advantages(run, r)
@@ -447,7 +447,7 @@ def train_iteration(run, it):
             batch["s_old"], batch["x0_old"] = old_surrogate(family, family.transformer, batch, args, run.n_prompts)
         if args.beta > 0 and args.kl_to == "initial":  # the KL's reference: x0_hat of the model before training
             batch["x0_ref"] = initial_x0(family, batch, args, run.n_prompts)
-    # 4.-7. The surrogate, the clipped objective and the update (the numbers are docs/method.md's steps)
+    # 4., 6., 7. The surrogate, the clipped objective, the update; 5. for the first minibatch (docs/method.md)
     with timer("update"):
         stats = update(family, run.model, run.optimizer, run.params, batch, args, run.n_prompts, run.scaler)
     return {**stats, **timer.stats(), **reward_metrics(run)}, images, prompts, r, A
@@ -755,8 +755,11 @@ def parse_args(argv=None):
     for f in dataclasses.fields(Args):
         name, text = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.type in (bool, "bool"):  # --flag / --no-flag
-            text += "" if "default" in text else f" (default: {name if f.default else '--no-' + name[2:]})"
-            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+            if "default" not in text:
+                shown = "set by --model" if f.default is None else name if f.default else "--no-" + name[2:]
+                text += f" (default: {shown})"
+            # set after construction: Python 3.10's BooleanOptionalAction appends its own "(default: True)"
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default).help = text
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
             if "default" not in text:  # None: each model's recipe decides (the help gives its values)

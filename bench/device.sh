@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check: one short run on a GPU machine, each part under a time limit, 8.4 minutes of limits in all (plus
-# the wheels' install and the version line, seconds; a part past its limit is killed 10 s later).
+# The GPU check: one short run on a GPU machine, each part under a time limit, 8.2 minutes of limits in all; with
+# 10 s each for a kill (a part past its limit is killed 10 s later) and about 20 s for the wheels' install and the
+# version line, 9 minutes at most.
 #   bench/smoke.py         one whole iteration of every configuration at the real shapes (random weights): no crash,
 #                          the ratio at the first inner step, finite losses, peak memory; exits 1 naming a failure
 #   bench/memory.py --gpu  every phase's peak (allocated and reserved) beside results/memory.json's fake-CUDA bytes,
@@ -64,7 +65,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffu
         # a cold compile: one that ran out would run out again in a rerun, while what --budget leaves out does not);
         # -k: a part that outlives its limit by 10 s (a kill's clean-up) is killed, so the parts after it keep
         # their time
-        timeout -k 10 200 python3 bench/smoke.py --timeout 140 --budget 185 ${SMOKE_ONLY:+--only "$SMOKE_ONLY"} \
+        timeout -k 10 195 python3 bench/smoke.py --timeout 140 --budget 180 ${SMOKE_ONLY:+--only "$SMOKE_ONLY"} \
             --out "$out/smoke-gpu.md"
         echo "bench/smoke.py: exit $?"
     fi
@@ -72,13 +73,13 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffu
         # what else holds the GPU's memory (a killed configuration's process not yet gone would count as the context)
         nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
         # SD3.5-M and FLUX.1-dev, LoRA and full fine-tuning, one process and --fsdp: the README's table
-        timeout -k 10 140 python3 bench/memory.py --gpu --models "${MEMORY_MODELS:-sd3,flux}" --time-limit 95 \
+        timeout -k 10 135 python3 bench/memory.py --gpu --models "${MEMORY_MODELS:-sd3,flux}" --time-limit 90 \
             --out "$out/memory-gpu.md"
         echo "bench/memory.py --gpu: exit $?"
     fi
     if [[ $parts == *" gpu "* ]]; then
-        # the kernel probe first (about 15 s of the 120), then the models until --time-limit
-        timeout -k 10 165 python3 bench/gpu.py --kernels --time-limit 120 --repeats 1 --profile ${GPU_MODELS:+--models \
+        # the kernel probe first (about 15 s of the 115), then the models until --time-limit
+        timeout -k 10 160 python3 bench/gpu.py --kernels --time-limit 115 --repeats 1 --profile ${GPU_MODELS:+--models \
             "$GPU_MODELS"} --out "$out/gpu.md"
         echo "bench/gpu.py: exit $?"
     fi

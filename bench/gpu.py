@@ -293,8 +293,8 @@ def count_flops(fn):
 def measure_model(name, a, gpus, device, deadline, save):
     """Build one model and time its phases -> a dict; phases not started before `deadline` are left out. save(res)
     writes the report with what has been measured so far: it is called after every phase. An error ends its part
-    (eager, decode / reward / text, compiled, profile) with res["error"]; what was measured stays, the next part
-    runs."""
+    (eager, decode / reward, compiled, profile, text encoders) with res["error"]; what was measured stays, the next
+    part runs."""
     family, args, cond_shapes = make_family(name, a.quick, device)
     model = family.transformer
     params = vgrpo.add_trainable_weights(family, args)
@@ -920,22 +920,24 @@ def write_report(out, results, meta):
 
 def merge_runs(paths):
     """Several runs' gpu.json, in the order they ran, on one device -> (results, meta): each model's result from the
-    last run that measured it, the first run's setting with every run's command, and only the failures, skips and
-    unfinished models that no later result replaced."""
+    last run that measured it, the first run's setting with every run's command, the failures that no later result
+    replaced, and the skipped or unfinished models that no run measured."""
     runs = read_runs(paths, ("device", "torch", "dtype", "gpus"), "gpu.py")
     latest = {}   # model -> (run number, result)
     for number, run in enumerate(runs):
         latest.update({res["model"]: (number, res) for res in run["results"]})
 
-    def still(number, entry):   # a failure or skip of run `number` that no later run's result replaced
+    def still(key, number, entry):   # a failure of run `number` that no later result replaced; a skip none did
         model = entry.split(":")[0].removesuffix(" (being measured)")
+        if key != "failed":
+            return model not in latest
         return latest.get(model, (number, None))[0] <= number
 
     meta = {k: v for k, v in runs[0].items() if k != "results"}
     meta.update(command="; then ".join(run["command"] for run in runs),
                 kernels=next((run["kernels"] for run in runs if run.get("kernels")), None),
                 **{key: [entry for number, run in enumerate(runs) for entry in run.get(key) or []
-                         if still(number, entry)] for key in ("skipped", "failed", "unfinished")})
+                         if still(key, number, entry)] for key in ("skipped", "failed", "unfinished")})
     order = list(dict.fromkeys(res["model"] for run in runs for res in run["results"]))
     return [latest[model][1] for model in order], meta
 

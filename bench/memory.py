@@ -695,7 +695,8 @@ def write_report(results, path):
 def write_gpu_report(results, fake, device_name, context, seconds, path):
     """The GPU's own counters per phase beside the fake-CUDA numbers of the same code (results/memory.json)."""
     lines = [f"# Peak GPU memory per phase, measured on {device_name}", "",
-             f"`python bench/memory.py --gpu`, {'?' if seconds is None else f'{seconds:.0f}'} s: the same code as results/memory.md (random weights "
+             f"`python bench/memory.py --gpu`, {'?' if seconds is None else f'{seconds:.0f}'} s: the same code as "
+             "results/memory.md (random weights "
              "of the real shapes), run on the GPU. allocated: `torch.cuda.max_memory_allocated()` over the phase, "
              "to compare with the fake-CUDA bytes; reserved: `max_memory_reserved()`, the caching allocator's "
              "slack included. `--fsdp` columns: rank 0 of 8 with the fake process group on one GPU. OOM: does not "
@@ -743,7 +744,11 @@ def write_gpu_files(run, fake, out):
 
 def merge_gpu_runs(paths):
     """Several --gpu runs' JSON on one device, in the order they ran -> one run's: each configuration's measurements
-    (one process, --fsdp) from the last run that made them, and for what no run measured the last run's notes."""
+    (one process, --fsdp) from the last run that made them, and for what no run measured the last run's notes, where
+    they say more than that the run never reached it (a rerun stopped early keeps the first run's failure)."""
+    def says_only_not_reached(note):   # for time or because the device had stopped answering: nothing measured
+        return ": not run, --time-limit" in note or ": not run, the device stopped answering" in note
+
     runs = read_runs(paths, ("device", "torch"), "memory.py")
     results = {}
     for run in runs:
@@ -753,7 +758,9 @@ def merge_gpu_runs(paths):
                 if key in result:
                     into[key], into["notes"][key] = result[key], []
                 elif key not in into:
-                    into["notes"][key] = [n for n in result["notes"] if n.startswith("--fsdp") == (key == "fsdp")]
+                    notes = [n for n in result["notes"] if n.startswith("--fsdp") == (key == "fsdp")]
+                    if not into["notes"].get(key) or not all(says_only_not_reached(note) for note in notes):
+                        into["notes"][key] = notes
             into.update({k: result[k] for k in ("settings", "census") if result.get(k)})
     for result in results.values():
         result["notes"] = [note for key in ("one", "fsdp") for note in result["notes"].get(key, [])]

@@ -429,8 +429,8 @@ def main(argv=None):
                    "the configurations the first had no time for) -> one report, --out; exit 1 if any failed")
     a = p.parse_args(argv)
     if a.merge:
-        meta, results = merge_runs(a.merge.split(","))
-        write_report(a.out, meta, results)
+        results, meta = merge_runs(a.merge.split(","))
+        write_report(a.out, results, meta)
         failed = [res["name"] for res in results if problems(res)]
         print(f"wrote {a.out}" + (f"; FAILED: {', '.join(failed)}" if failed else "; every configuration passed"))
         return 1 if failed else 0
@@ -460,14 +460,14 @@ def main(argv=None):
         return run_all(names, a, argv, work)
 
 
-def write_report(out, meta, results):
+def write_report(out, results, meta):
     """The markdown report and its JSON beside it, each written whole (a kill while writing leaves the last one)."""
     write_whole(out, report(results, meta))
     write_whole(os.path.splitext(out)[0] + ".json", json.dumps(dict(meta, results=results), indent=1))
 
 
 def merge_runs(paths):
-    """Several runs' smoke-gpu.json on one device, in the order they ran -> (meta, results): each configuration's
+    """Several runs' smoke-gpu.json on one device, in the order they ran -> (results, meta): each configuration's
     result from the last run that ran it ("not run" replaces nothing), in CONFIGS' order, every run's command."""
     runs = read_runs(paths, ("device", "torch"), "smoke.py")
     latest = {}
@@ -477,7 +477,7 @@ def merge_runs(paths):
                 latest[res["name"]] = res
     meta = {k: v for k, v in runs[0].items() if k != "results"}
     meta["command"] = "; then ".join(run["command"] for run in runs)
-    return meta, [latest[name] for name in CONFIGS if name in latest]
+    return [latest[name] for name in CONFIGS if name in latest], meta
 
 
 def run_all(names, a, argv, work):
@@ -505,7 +505,7 @@ def run_all(names, a, argv, work):
             res = dict(name=name, error=f"not run: --budget {a.budget:g} s spent")
         results.append(res)
         print(f"{name}: {'; '.join(problems(res)) or 'ok'} ({time.perf_counter() - started:.0f} s)", flush=True)
-        write_report(a.out, meta, results)   # after every configuration: a run cut short keeps what it did
+        write_report(a.out, results, meta)   # after every configuration: a run cut short keeps what it did
     failed = [res["name"] for res in results if problems(res)]
     print(f"wrote {a.out}" + (f"; FAILED: {', '.join(failed)}" if failed else "; every configuration passed"))
     return 1 if failed else 0

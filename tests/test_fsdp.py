@@ -168,12 +168,12 @@ print(json.dumps(seen))
 
 
 def test_fsdp_in_bf16_trains_like_ddp_in_bf16_and_keeps_float32_master_weights(tmp_path):
-    """In bf16, FSDP2 trains the same LoRA as DDP, SD3 and FLUX, bit for bit (measured; a third and a half of the step
-    apart while FSDP2 cast the modules' inputs to bf16), and what it saves is float32. Then, in one sharded process, a layer's weights are bf16
-    in the forward pass and float32 outside it, its gradient float32, and the surrogate float32; the inputs that are
-    not matmuls' keep their float32, as without FSDP (FSDP2's default casts every floating input of a sharded module:
-    SD3's timestep 1000 sigma would round to steps of 4 near 1000, and FLUX's rotary cos / sin lose their precision;
-    autocast already casts the matmuls)."""
+    """In bf16, FSDP2 trains the same LoRA as DDP, SD3 and FLUX, bit for bit (measured; 34% and 49% of the step apart
+    while FSDP2 cast the modules' inputs to bf16), and what it saves is float32. Then, in one sharded process, a
+    layer's weights are bf16 in the forward pass and float32 outside it, its gradient float32, and the surrogate
+    float32; the inputs that are not matmuls' keep their float32, as without FSDP (FSDP2's default casts every
+    floating input of a sharded module: SD3's timestep 1000 sigma would round to steps of 4 near 1000, and FLUX's
+    rotary cos / sin lose their precision; autocast already casts the matmuls)."""
     for model in ("tiny", "tiny-flux"):   # with the default cast: 34% and 49% of the step apart
         flags = ["--model", model, "--iterations", "1", "--no-full-finetune", "--lr", "1e-3", "--mixed-precision",
                  "bf16"]

@@ -297,7 +297,6 @@ def test_the_reward_scores_every_image_on_transformers_serve(served_judge):
     got = fn(images, ["a cat", "a dog", "a red cube", "two cups", "a sign"])
     # the stand-in judge answers "Final Score: 4" (repeated up to max_tokens) to every image: 4 / 5, read from the
     # server's reply for each image
-    assert hub_standins.JUDGE_ANSWER == "Final Score: 4"
     assert got.tolist() == pytest.approx([0.8] * 5) and fn.last_counts["unifiedreward_unparsed"] == 0
     again = reward.load_reward(f"unifiedreward@{base}?model={model}&max_tokens=6")(images, ["a cat", "a dog",
                                                                                          "a red cube", "two cups",

@@ -758,8 +758,7 @@ def parse_args(argv=None):
             if "default" not in text:
                 shown = "set by --model" if f.default is None else name if f.default else "--no-" + name[2:]
                 text += f" (default: {shown})"
-            # set after construction: Python 3.10's BooleanOptionalAction appends its own "(default: True)"
-            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default).help = text
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
             if "default" not in text:  # None: each model's recipe decides (the help gives its values)

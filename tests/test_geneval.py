@@ -4,7 +4,6 @@ embeddings; the rewards loaded under their real ids from the stand-in cache."""
 
 import copy
 import io
-import math
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -18,7 +18,6 @@ import sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 import vgrpo
@@ -189,8 +188,6 @@ def test_the_main_command_trains_sd35_medium_on_8_processes_and_its_lora_loads_i
         assert abs(m["adv_abs_max"]) <= 3.0 + 1e-6                           # the soft clip at eta = 3
         assert 0 < m["reward_std"] and abs(m["reward_mean"]) < 10            # PickScore logits / 26, random CLIP
     # the LoRA loads into the diffusers pipeline from the same cache, and changes its output
-    from diffusers import StableDiffusion3Pipeline
-
     state = load_file(out / "checkpoint-2" / "pytorch_lora_weights.safetensors")
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in state.items())   # trained: B left zero at init
     env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}

@@ -1705,6 +1705,12 @@ def compile_blocks(family, args, device):
     eager = device.type != "cuda" or small or args.kl_to == "initial"
     if args.compile == "off" or (args.compile == "auto" and eager):
         return False
+    missing = missing_compile_toolchain(device) if device.type == "cuda" else None
+    if missing and args.compile == "on":
+        raise UsageError(f"--compile on: torch.compile on CUDA needs {missing}; or --compile off (eager, slower)")
+    if missing:   # a slim container image: the first forward would fail deep in inductor
+        note(f"the transformer's blocks run eagerly (slower): torch.compile on CUDA needs {missing}")
+        return False
     # The blocks of a class share one forward, whose compiled variants count against one limit (8 by default): SD3.5-M
     # needs 11 in an iteration and an evaluation (3 kinds of block in the rollout, 4 in the update, where the first
     # block's input needs no gradient, 4 at the evaluation's new batch; 14 under FSDP2), and past the limit torch runs
@@ -1714,6 +1720,22 @@ def compile_blocks(family, args, device):
         block.compile()
     family.compiled = True
     return True
+
+
+def missing_compile_toolchain(device):
+    """What torch.compile's CUDA kernels need and this machine lacks, or None: triton writes them for GPUs of compute
+    capability 7.0 and newer, and builds each kernel's launcher with the C compiler it finds as $CC, gcc or clang."""
+    import shutil
+    from torch.utils._triton import has_triton_package
+
+    if not has_triton_package():
+        return "triton (pip install triton)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 7:
+        return f"a GPU of compute capability 7.0 or newer (this one: {major}.{minor})"
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        return "a C compiler for triton (gcc or clang, or its path in $CC)"
+    return None
 
 
 def compiled_graphs():

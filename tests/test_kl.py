@@ -87,13 +87,45 @@ def test_the_kl_to_the_initial_model_needs_lora_and_eager_blocks(tmp_path, extra
         vgrpo.validate(args, 1)
 
 
-def test_compile_auto_leaves_the_blocks_eager_for_the_kl_to_the_initial_model():
+def test_compile_auto_leaves_the_blocks_eager_for_the_kl_to_the_initial_model(monkeypatch):
     """On CUDA, --compile auto compiles a real model's blocks, except where the LoRA is switched off for the KL's
     reference (peft cannot do that under torch.compile); the family is never touched then."""
+    monkeypatch.setattr(vgrpo, "missing_compile_toolchain", lambda device: None)   # a GPU machine's triton and gcc
     args = vgrpo.Args(model="sd3", compile="auto", kl_to="initial")
     assert vgrpo.compile_blocks(None, args, torch.device("cuda")) is False
     with pytest.raises(AttributeError):   # kl_to sampling: it goes on to compile the (here missing) family's blocks
         vgrpo.compile_blocks(None, vgrpo.Args(model="sd3", compile="auto"), torch.device("cuda"))
+
+
+def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(monkeypatch, capsys):
+    """torch.compile's CUDA kernels need triton, a GPU of compute capability 7.0+ and a C compiler (a slim container
+    image has none): --compile auto then leaves the blocks eager with one note, --compile on refuses in one line,
+    before any forward would fail deep in inductor. What is missing is told apart."""
+    import shutil
+    import torch.utils._triton as triton_utils
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(triton_utils, "has_triton_package", lambda: False)
+    assert vgrpo.missing_compile_toolchain(cuda) == "triton (pip install triton)"
+    monkeypatch.setattr(triton_utils, "has_triton_package", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (6, 1))
+    assert vgrpo.missing_compile_toolchain(cuda) == "a GPU of compute capability 7.0 or newer (this one: 6.1)"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert vgrpo.missing_compile_toolchain(cuda) == "a C compiler for triton (gcc or clang, or its path in $CC)"
+    monkeypatch.setenv("CC", "/opt/cc")
+    assert vgrpo.missing_compile_toolchain(cuda) is None
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/clang" if name == "clang" else None)
+    assert vgrpo.missing_compile_toolchain(cuda) is None
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)   # no compiler: the family is never touched
+    assert vgrpo.compile_blocks(None, vgrpo.Args(model="sd3", compile="auto"), cuda) is False
+    assert "blocks run eagerly (slower): torch.compile on CUDA needs a C compiler" in capsys.readouterr().err
+    with pytest.raises(vgrpo.UsageError, match=r"^--compile on: torch.compile on CUDA needs a C compiler .*--compile "
+                                               r"off \(eager, slower\)$"):
+        vgrpo.compile_blocks(None, vgrpo.Args(model="sd3", compile="on"), cuda)
 
 
 @pytest.mark.slow

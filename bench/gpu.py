@@ -920,18 +920,23 @@ def write_report(out, results, meta):
 
 def merge_runs(paths):
     """Several runs' gpu.json, in the order they ran, on one device -> (results, meta): each model's result from the
-    last run that measured it, the first run's setting with every run's command, the failures that no later result
-    replaced, and the skipped or unfinished models that no run measured."""
+    last run that measured it (a run cut off while measuring it replaces no earlier result), the first run's setting
+    with every run's command, the failures and cut-off measurements that no later result replaced, and the skipped
+    or never started models that no run measured."""
     runs = read_runs(paths, ("device", "torch", "dtype", "gpus"), "gpu.py")
     latest = {}   # model -> (run number, result)
     for number, run in enumerate(runs):
-        latest.update({res["model"]: (number, res) for res in run["results"]})
+        cut_off = {entry.removesuffix(" (being measured)") for entry in run.get("unfinished") or []}
+        latest.update({res["model"]: (number, res) for res in run["results"]
+                       if res["model"] not in cut_off or res["model"] not in latest})
 
-    def still(key, number, entry):   # a failure of run `number` that no later result replaced; a skip none did
+    def still(key, number, entry):   # an entry of run `number` that the merged results do not make obsolete
         model = entry.split(":")[0].removesuffix(" (being measured)")
-        if key != "failed":
-            return model not in latest
-        return latest.get(model, (number, None))[0] <= number
+        if key == "failed":
+            return latest.get(model, (number, None))[0] <= number
+        if entry.endswith(" (being measured)"):   # its partial result is the one shown
+            return latest.get(model, (None,))[0] == number
+        return model not in latest   # skipped, or never started
 
     meta = {k: v for k, v in runs[0].items() if k != "results"}
     meta.update(command="; then ".join(run["command"] for run in runs),

@@ -1692,14 +1692,9 @@ def initial_x0(family, batch, args, n_prompts):
 RECOMPILE_LIMIT = 64  # compiled variants allowed per block class (torch's default, 8, is too few: compile_blocks)
 
 
-def compile_blocks(family, args, device):
-    """--compile: torch.compile on each transformer block in place (regional compilation), after LoRA is attached and
-    before FSDP2 shards the blocks. Blocks of one kind share their compiled code (torch inlines the modules, so the
-    weights are inputs, not constants): SD3.5-M compiles three kinds of block, FLUX two, in seconds rather than the
-    minutes a whole-model compile takes. A change of batch (rollout, micro-batch, a partial chunk, evaluation)
-    recompiles once with the batch dimension made dynamic, then never again. Every pass that computes a surrogate
-    runs these blocks, the old surrogate with gradients on as the update (old_surrogate), so the two see the same
-    compiled numerics."""
+def compile_wanted(args, device):
+    """--compile -> whether compile_blocks runs: on CUDA for real models with `auto`. Decided before the models load,
+    so that a refusal comes at once."""
     small = is_tiny(args.model) or args.model == "digits"  # compiling would take longer than their whole run
     # --kl-to initial switches the LoRA off for its reference, which peft does not support under torch.compile
     eager = device.type != "cuda" or small or args.kl_to == "initial"
@@ -1711,6 +1706,17 @@ def compile_blocks(family, args, device):
     if missing:   # a slim container image: the first forward would fail deep in inductor
         note(f"the transformer's blocks run eagerly (slower): torch.compile on CUDA needs {missing}")
         return False
+    return True
+
+
+def compile_blocks(family):
+    """--compile: torch.compile on each transformer block in place (regional compilation), after LoRA is attached and
+    before FSDP2 shards the blocks. Blocks of one kind share their compiled code (torch inlines the modules, so the
+    weights are inputs, not constants): SD3.5-M compiles three kinds of block, FLUX two, in seconds rather than the
+    minutes a whole-model compile takes. A change of batch (rollout, micro-batch, a partial chunk, evaluation)
+    recompiles once with the batch dimension made dynamic, then never again. Every pass that computes a surrogate
+    runs these blocks, the old surrogate with gradients on as the update (old_surrogate), so the two see the same
+    compiled numerics."""
     # The blocks of a class share one forward, whose compiled variants count against one limit (8 by default): SD3.5-M
     # needs 11 in an iteration and an evaluation (3 kinds of block in the rollout, 4 in the update, where the first
     # block's input needs no gradient, 4 at the evaluation's new batch; 14 under FSDP2), and past the limit torch runs
@@ -1719,7 +1725,6 @@ def compile_blocks(family, args, device):
     for block in family.blocks():
         block.compile()
     family.compiled = True
-    return True
 
 
 def missing_compile_toolchain(device):
@@ -1782,6 +1787,7 @@ def wrap_for_training(family, args, world, device):
 def build_run(args, rank, world, device):
     """Load the model, the rewards and prompts of every stage, the optimizer (and a checkpoint) -> (Run, first
     iteration)."""
+    compiled = compile_wanted(args, device)  # before the models load: a refusal comes at once
     stages = [Stage(*stage) for stage in curriculum_stages(args)]
     for stage in stages:
         stage.prompts, stage.metadata = load_prompts(stage.args.prompts)
@@ -1808,7 +1814,8 @@ def build_run(args, rank, world, device):
     ema_values = resumed_ema(args, family)  # the saved EMA (read through the model before its own weights)
     start = load_trained_weights(args.resume, family, args) if args.resume else 0
     check_ranks_agree(args, family.transformer, world, device)  # before the wrap, which would hide a difference
-    compile_blocks(family, args, device)  # each block compiled in place, then sharded or wrapped
+    if compiled:
+        compile_blocks(family)  # each block compiled in place, then sharded or wrapped
     model = wrap_for_training(family, args, world, device)
     params = [p for p in family.transformer.parameters() if p.requires_grad]  # after sharding: the local shards
     # fused on CUDA: one kernel for all parameters instead of a few per tensor (LoRA on SD3.5-M: ~600 tensors)

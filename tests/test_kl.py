@@ -89,18 +89,17 @@ def test_the_kl_to_the_initial_model_needs_lora_and_eager_blocks(tmp_path, extra
 
 def test_compile_auto_leaves_the_blocks_eager_for_the_kl_to_the_initial_model(monkeypatch):
     """On CUDA, --compile auto compiles a real model's blocks, except where the LoRA is switched off for the KL's
-    reference (peft cannot do that under torch.compile); the family is never touched then."""
+    reference (peft cannot do that under torch.compile)."""
     monkeypatch.setattr(vgrpo, "missing_compile_toolchain", lambda device: None)   # a GPU machine's triton and gcc
     args = vgrpo.Args(model="sd3", compile="auto", kl_to="initial")
-    assert vgrpo.compile_blocks(None, args, torch.device("cuda")) is False
-    with pytest.raises(AttributeError):   # kl_to sampling: it goes on to compile the (here missing) family's blocks
-        vgrpo.compile_blocks(None, vgrpo.Args(model="sd3", compile="auto"), torch.device("cuda"))
+    assert vgrpo.compile_wanted(args, torch.device("cuda")) is False
+    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="auto"), torch.device("cuda"))   # kl_to sampling
 
 
 def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(monkeypatch, capsys):
     """torch.compile's CUDA kernels need triton, a GPU of compute capability 7.0+ and a C compiler (a slim container
     image has none): --compile auto then leaves the blocks eager with one note, --compile on refuses in one line,
-    before any forward would fail deep in inductor. What is missing is told apart."""
+    before the models load. What is missing is told apart."""
     import shutil
     import torch.utils._triton as triton_utils
 
@@ -120,12 +119,20 @@ def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/clang" if name == "clang" else None)
     assert vgrpo.missing_compile_toolchain(cuda) is None
 
-    monkeypatch.setattr(shutil, "which", lambda name: None)   # no compiler: the family is never touched
-    assert vgrpo.compile_blocks(None, vgrpo.Args(model="sd3", compile="auto"), cuda) is False
+    monkeypatch.setattr(shutil, "which", lambda name: None)   # no compiler
+    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="auto"), cuda) is False
     assert "blocks run eagerly (slower): torch.compile on CUDA needs a C compiler" in capsys.readouterr().err
     with pytest.raises(vgrpo.UsageError, match=r"^--compile on: torch.compile on CUDA needs a C compiler .*--compile "
                                                r"off \(eager, slower\)$"):
-        vgrpo.compile_blocks(None, vgrpo.Args(model="sd3", compile="on"), cuda)
+        vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="on"), cuda)
+    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="on"), torch.device("cpu")) is True   # inductor's C++
+
+    # the refusal comes before the minutes of loading the models, encoding the prompts and loading the rewards
+    loaded = []
+    monkeypatch.setattr(vgrpo, "load_family", lambda *args: loaded.append(args))
+    with pytest.raises(vgrpo.UsageError, match="needs a C compiler"):
+        vgrpo.build_run(vgrpo.Args(model="sd3", compile="on"), 0, 1, cuda)
+    assert loaded == []
 
 
 @pytest.mark.slow

@@ -921,15 +921,18 @@ def write_report(out, results, meta):
 
 def merge_runs(paths):
     """Several runs' gpu.json, in the order they ran, on one device -> (results, meta): each model's result from the
-    last run that measured it (a run cut off while measuring it replaces no earlier result), the first run's setting
-    with every run's command, the failures and cut-off measurements that no later result replaced, and the skipped
-    or never started models that no run measured."""
+    run that measured the most of it, the later one on a tie (a run cut off or out of time partway through a model
+    replaces no fuller result), the first run's setting with every run's command, the failures and cut-off
+    measurements that no later result replaced, and the skipped or never started models that no run measured."""
+    def parts_measured(res):
+        return (len(res.get("phases") or {}) + len(res.get("compiled") or {}) + bool(res.get("profile"))
+                + ("text_s_per_prompt" in res))
+
     runs = read_runs(paths, ("device", "torch", "dtype", "gpus"), "gpu.py")
     latest = {}   # model -> (run number, result)
     for number, run in enumerate(runs):
-        cut_off = {entry.removesuffix(" (being measured)") for entry in run.get("unfinished") or []}
-        latest.update({res["model"]: (number, res) for res in run["results"]
-                       if res["model"] not in cut_off or res["model"] not in latest})
+        latest.update({res["model"]: (number, res) for res in run["results"] if res["model"] not in latest
+                       or parts_measured(res) >= parts_measured(latest[res["model"]][1])})
 
     def still(key, number, entry):   # an entry of run `number` that the merged results do not make obsolete
         model = entry.split(":")[0].removesuffix(" (being measured)")
@@ -941,9 +944,10 @@ def merge_runs(paths):
 
     meta = {k: v for k, v in runs[0].items() if k != "results"}
     meta.update(command="; then ".join(run["command"] for run in runs),
-                kernels=next((run["kernels"] for run in runs if run.get("kernels")), None),
-                **{key: [entry for number, run in enumerate(runs) for entry in run.get(key) or []
-                         if still(key, number, entry)] for key in ("skipped", "failed", "unfinished")})
+                kernels=next((run["kernels"] for run in runs if run.get("kernels")), None))
+    for key in ("skipped", "failed", "unfinished"):   # each entry once
+        meta[key] = list(dict.fromkeys(entry for number, run in enumerate(runs) for entry in run.get(key) or []
+                                       if still(key, number, entry)))
     order = list(dict.fromkeys(res["model"] for run in runs for res in run["results"]))
     return [latest[model][1] for model in order], meta
 

@@ -432,9 +432,11 @@ def test_gpu_bench_quick_mode(tmp_path):
     gpu.main(["--merge", f"{runs[1]},{runs[0]}", "--out", str(tmp_path / "later.md")])   # skipped after measured
     assert "Not measured" not in (tmp_path / "later.md").read_text()
     assert json.loads((tmp_path / "later.json").read_text())["results"] == data["results"]
-    # a run cut off while measuring SD3.5-M (device.sh's kill): alone, its partial result is shown as unfinished;
-    # after a run that measured it whole, it replaces nothing
-    cut = dict(data, results=[dict(data["results"][0], cut_off=True)], command="python bench/gpu.py (cut off)",
+    # a run cut off while measuring SD3.5-M (device.sh's kill) after its first phase: alone, its partial result is
+    # shown as unfinished; after a run that measured more of it, it replaces nothing
+    first_phase = dict(list(data["results"][0]["phases"].items())[:1])
+    partial = {k: v for k, v in data["results"][0].items() if k not in ("compiled", "profile", "text_s_per_prompt")}
+    cut = dict(data, results=[dict(partial, phases=first_phase, cut_off=True)], command="python bench/gpu.py (cut)",
                unfinished=["SD3.5-M (being measured)", "FLUX.1-dev"])
     (tmp_path / "cut.json").write_text(json.dumps(cut))
     gpu.main(["--merge", str(tmp_path / "cut.json"), "--out", str(tmp_path / "alone.md")])
@@ -445,6 +447,8 @@ def test_gpu_bench_quick_mode(tmp_path):
     after = json.loads((tmp_path / "after.json").read_text())
     assert after["results"] == data["results"] and after["unfinished"] == []
     assert "Incomplete" not in (tmp_path / "after.md").read_text()
+    gpu.main(["--merge", f"{runs[0]},{runs[0]}", "--out", str(tmp_path / "twice.md")])   # each entry once
+    assert "Not measured, --time-limit reached first: SD3.5-M, FLUX.1-dev." in (tmp_path / "twice.md").read_text()
     (tmp_path / "other.json").write_text(json.dumps(dict(json.loads(open(runs[0]).read()), device="NVIDIA H200")))
     with pytest.raises(SystemExit, match="differ in device"):
         gpu.main(["--merge", f"{runs[0]},{tmp_path / 'other.json'}", "--out", str(tmp_path / "refused.md")])

@@ -136,3 +136,18 @@ def test_a_run_without_reward_columns_draws_no_picture(tmp_path):
         f.write(json.dumps({"iteration": 1, "reward_std": 0.0, "loss": 0.1}) + "\n")   # std alone is no curve
     assert vgrpo.plot_curves(plt, {1: {"reward_std": 0.0}}, ["reward_std"], str(tmp_path / "rewards.png")) is None
     assert vgrpo.write_curves(str(tmp_path)) is None and not (tmp_path / "rewards.png").exists()
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run installs and tests as the README's second set-up command does, step for step (pip's -q aside; CI
+    adds HF_HUB_OFFLINE=1 and skips the CPU torch on a machine with CUDA): a change to one that misses the other
+    fails here."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        block = f.read().split("# 2. install and run the tests", 1)[1].split("```", 1)[0]
+    readme = [" ".join(step.split()) for step in block.split("\n", 1)[1].replace("\\\n", " ").split("&&")]
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        lines = [" ".join(line.split()) for line in f]
+    ci = [line.replace("python -m pip install -q ", "pip install ") for line in lines
+          if line.startswith(("python3 -m venv", ". .venv/", "python -m pip install", "python -m pytest"))]
+    assert readme == ci and len(ci) == 6, (readme, ci)
+    assert "export HF_HUB_OFFLINE=1" in lines

@@ -85,6 +85,9 @@ def test_one_iteration_on_fake_cuda_keeps_every_tensor_on_the_gpu(worker, tmp_pa
     # a pageable non_blocking copy is synchronous on a GPU: every host-to-device copy that asks to overlap must
     # come from pinned memory
     assert got["counts"].get("h2d_pageable_non_blocking", 0) == 0
+    # --compile auto on CUDA: the real models' blocks compiled (a GPU machine's triton, gcc and compute capability),
+    # so the compiled path's wiring runs here (the old surrogate with gradients on); the tiny ones stay eager
+    assert got["compiled"] == (not name.startswith("tiny"))
     if "fp16" in name:
         assert got["scaler"] and got["metrics"]["loss_scale"] == 0.5   # read from the device, once
     if "inner-steps" in name:
@@ -308,6 +311,9 @@ def _start(flags, output_dir, world=1, **overrides):
     args = vgrpo.parse_args([*flags, "--device", "cuda", "--output-dir", output_dir, "--iterations", "1",
                              *[f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]])
     vgrpo.validate(args, world)
+    # a GPU machine's torch has triton and gcc, and its GPU is new enough: --compile auto compiles the real models'
+    # blocks (torch.compile runs them eagerly under the fake mode, through the compiled path's code in vgrpo)
+    vgrpo.missing_compile_toolchain = lambda device: None
     return vgrpo.start_run(args)
 
 
@@ -358,7 +364,8 @@ def one_iteration(flags, output_dir):
                 "stats_device": A.device.type, "images_device": images.device.type, "metrics": m,
                 "logged_iterations": logged, "scaler": run.scaler is not None, "old_pass_rows": sum(old_rows),
                 "peak_after_reset": peak_after_reset, "resident": resident, "attention": _attention_kernels(),
-                "sample_grid": os.path.isfile(os.path.join(output_dir, "samples", "iter-00001.png"))}
+                "sample_grid": os.path.isfile(os.path.join(output_dir, "samples", "iter-00001.png")),
+                "compiled": run.family.compiled}
 
 
 def _attention_kernels():

@@ -1692,15 +1692,25 @@ def initial_x0(family, batch, args, n_prompts):
 RECOMPILE_LIMIT = 64  # compiled variants allowed per block class (torch's default, 8, is too few: compile_blocks)
 
 
-def compile_wanted(args, device):
+def compile_wanted(args, world, device):
     """--compile -> whether compile_blocks runs: on CUDA for real models with `auto`. Decided before the models load,
-    so that a refusal comes at once."""
+    so that a refusal comes at once, and alike on every rank."""
+    missing = missing_compile_toolchain(device) if device.type == "cuda" else None
+    if world > 1 and device.type == "cuda":   # a node without gcc would otherwise train with other numerics
+        # the last rank that lacks it, on every rank (gloo's tensors may stay on the CPU)
+        lacking = torch.tensor([dist.get_rank() + 1 if missing else 0],
+                               device="cpu" if dist.get_backend() == "gloo" else device)
+        dist.all_reduce(lacking, op=dist.ReduceOp.MAX)
+        rank = int(lacking.item()) - 1
+        if missing:
+            missing = f"{missing} on rank {dist.get_rank()}"
+        elif rank >= 0:
+            missing = f"triton, a GPU of compute capability 7.0+ and a C compiler, and rank {rank} lacks one"
     small = is_tiny(args.model) or args.model == "digits"  # compiling would take longer than their whole run
     # --kl-to initial switches the LoRA off for its reference, which peft does not support under torch.compile
     eager = device.type != "cuda" or small or args.kl_to == "initial"
     if args.compile == "off" or (args.compile == "auto" and eager):
         return False
-    missing = missing_compile_toolchain(device) if device.type == "cuda" else None
     if missing and args.compile == "on":
         raise UsageError(f"--compile on: torch.compile on CUDA needs {missing}; or --compile off (eager, slower)")
     if missing:   # a slim container image: the first forward would fail deep in inductor
@@ -1787,7 +1797,7 @@ def wrap_for_training(family, args, world, device):
 def build_run(args, rank, world, device):
     """Load the model, the rewards and prompts of every stage, the optimizer (and a checkpoint) -> (Run, first
     iteration)."""
-    compiled = compile_wanted(args, device)  # before the models load: a refusal comes at once
+    compiled = compile_wanted(args, world, device)  # before the models load: a refusal comes at once
     stages = [Stage(*stage) for stage in curriculum_stages(args)]
     for stage in stages:
         stage.prompts, stage.metadata = load_prompts(stage.args.prompts)

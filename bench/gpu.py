@@ -350,7 +350,7 @@ def measure_model(name, a, gpus, device, deadline, save):
                                                      saved))
 
     def compiled():
-        vgrpo.compile_wanted(dataclasses.replace(args, compile="on"), device)   # refuses without triton / a C compiler
+        vgrpo.compile_wanted(dataclasses.replace(args, compile="on"), 1, device)   # refuses without triton / a C compiler
         vgrpo.compile_blocks(family)
         res["compiled"] = {}
         run_phases(res["compiled"], phases, args, k, a.repeats, device, deadline, saved)

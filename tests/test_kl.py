@@ -92,8 +92,8 @@ def test_compile_auto_leaves_the_blocks_eager_for_the_kl_to_the_initial_model(mo
     reference (peft cannot do that under torch.compile)."""
     monkeypatch.setattr(vgrpo, "missing_compile_toolchain", lambda device: None)   # a GPU machine's triton and gcc
     args = vgrpo.Args(model="sd3", compile="auto", kl_to="initial")
-    assert vgrpo.compile_wanted(args, torch.device("cuda")) is False
-    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="auto"), torch.device("cuda"))   # kl_to sampling
+    assert vgrpo.compile_wanted(args, 1, torch.device("cuda")) is False
+    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="auto"), 1, torch.device("cuda"))   # kl_to sampling
 
 
 def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(monkeypatch, capsys):
@@ -120,12 +120,12 @@ def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(
     assert vgrpo.missing_compile_toolchain(cuda) is None
 
     monkeypatch.setattr(shutil, "which", lambda name: None)   # no compiler
-    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="auto"), cuda) is False
+    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="auto"), 1, cuda) is False
     assert "blocks run eagerly (slower): torch.compile on CUDA needs a C compiler" in capsys.readouterr().err
     with pytest.raises(vgrpo.UsageError, match=r"^--compile on: torch.compile on CUDA needs a C compiler .*--compile "
                                                r"off \(eager, slower\)$"):
-        vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="on"), cuda)
-    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="on"), torch.device("cpu")) is True   # inductor's C++
+        vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="on"), 1, cuda)
+    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="on"), 1, torch.device("cpu")) is True   # inductor's C++
 
     # the refusal comes before the minutes of loading the models, encoding the prompts and loading the rewards
     loaded = []
@@ -133,6 +133,43 @@ def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(
     with pytest.raises(vgrpo.UsageError, match="needs a C compiler"):
         vgrpo.build_run(vgrpo.Args(model="sd3", compile="on"), 0, 1, cuda)
     assert loaded == []
+
+
+# One of 2 ranks, on a node without a C compiler: what --compile auto and --compile on decide there.
+COMPILE_ON_TWO_NODES = """
+import sys, torch, torch.distributed as dist
+import vgrpo
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method="file://" + sys.argv[1])
+vgrpo.missing_compile_toolchain = lambda device: "a C compiler" if rank == 1 else None
+cuda = torch.device("cuda")   # only its type is read: the toolchain check is replaced above
+print("auto:", vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="auto"), 2, cuda))
+try:
+    vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="on"), 2, cuda)
+except vgrpo.UsageError as e:
+    print("on:", e)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_decides_compile_alike_when_one_node_lacks_the_toolchain(tmp_path):
+    """2 ranks, the second on a node without gcc: --compile auto runs every rank's blocks eagerly (a rank compiled
+    among eager ones would train with other numerics), with rank 0's note naming the rank; --compile on refuses on
+    both ranks, naming it."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", COMPILE_ON_TWO_NODES, str(tmp_path / "group"), str(rank)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outputs = [p.communicate(timeout=300) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    lacks = ["triton, a GPU of compute capability 7.0+ and a C compiler, and rank 1 lacks one", "a C compiler on rank 1"]
+    for (out, err), what in zip(outputs, lacks):
+        assert out.splitlines() == ["auto: False", f"on: --compile on: torch.compile on CUDA needs {what}; or "
+                                                   "--compile off (eager, slower)"], out
+    assert f"blocks run eagerly (slower): torch.compile on CUDA needs {lacks[0]}" in outputs[0][1]
 
 
 @pytest.mark.slow

@@ -1696,16 +1696,17 @@ def compile_wanted(args, world, device):
     """--compile -> whether compile_blocks runs: on CUDA for real models with `auto`. Decided before the models load,
     so that a refusal comes at once, and alike on every rank."""
     missing = missing_compile_toolchain(device) if device.type == "cuda" else None
-    if world > 1 and device.type == "cuda":   # a node without gcc would otherwise train with other numerics
-        # the last rank that lacks it, on every rank (gloo's tensors may stay on the CPU)
+    # every rank decides alike (a node without gcc would otherwise train with other numerics), so every rank joins
+    # this reduction, whatever its flags: the last rank that lacks the toolchain (gloo's tensors stay on the CPU)
+    if world > 1 and device.type == "cuda":
         lacking = torch.tensor([dist.get_rank() + 1 if missing else 0],
                                device="cpu" if dist.get_backend() == "gloo" else device)
         dist.all_reduce(lacking, op=dist.ReduceOp.MAX)
-        rank = int(lacking.item()) - 1
+        lacking_rank = int(lacking.item()) - 1
         if missing:
             missing = f"{missing} on rank {dist.get_rank()}"
-        elif rank >= 0:
-            missing = f"triton, a GPU of compute capability 7.0+ and a C compiler, and rank {rank} lacks one"
+        elif lacking_rank >= 0:
+            missing = f"triton, a GPU of compute capability 7.0+ and a C compiler, and rank {lacking_rank} lacks one"
     small = is_tiny(args.model) or args.model == "digits"  # compiling would take longer than their whole run
     # --kl-to initial switches the LoRA off for its reference, which peft does not support under torch.compile
     eager = device.type != "cuda" or small or args.kl_to == "initial"

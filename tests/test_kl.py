@@ -125,7 +125,8 @@ def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(
     with pytest.raises(vgrpo.UsageError, match=r"^--compile on: torch.compile on CUDA needs a C compiler .*--compile "
                                                r"off \(eager, slower\)$"):
         vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="on"), 1, cuda)
-    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="on"), 1, torch.device("cpu")) is True   # inductor's C++
+    cpu = torch.device("cpu")
+    assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="on"), 1, cpu) is True   # inductor's C++
 
     # the refusal comes before the minutes of loading the models, encoding the prompts and loading the rewards
     loaded = []
@@ -165,8 +166,9 @@ def test_every_rank_decides_compile_alike_when_one_node_lacks_the_toolchain(tmp_
              for rank in (0, 1)]
     outputs = [p.communicate(timeout=300) for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
-    lacks = ["triton, a GPU of compute capability 7.0+ and a C compiler, and rank 1 lacks one", "a C compiler on rank 1"]
-    for (out, err), what in zip(outputs, lacks):
+    lacks = ["triton, a GPU of compute capability 7.0+ and a C compiler, and rank 1 lacks one",
+             "a C compiler on rank 1"]
+    for (out, _), what in zip(outputs, lacks):
         assert out.splitlines() == ["auto: False", f"on: --compile on: torch.compile on CUDA needs {what}; or "
                                                    "--compile off (eager, slower)"], out
     assert f"blocks run eagerly (slower): torch.compile on CUDA needs {lacks[0]}" in outputs[0][1]

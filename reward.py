@@ -140,7 +140,8 @@ def clip_similarity_reward(model, processor, device, use_logit_scale, divide_by=
     """Reward = [logit_scale.exp() *] cos(text embedding, image embedding) / divide_by, for any CLIPModel.
 
     Images are preprocessed on `device` as the processor would (clip_pixel_values) and never visit the CPU;
-    the model runs in `dtype` (bf16 on a GPU halves its memory and time; the cosine is taken in float32).
+    the model runs in `dtype` (bf16 halves its memory and time, but rounds the scores: vgrpo keeps float32;
+    the cosine is taken in float32 either way).
     """
     # logit_scale ~ log(100) is read before the cast: in bf16 it would become 4.594, i.e. exp() = 98.9, not 100
     logit_scale = model.logit_scale.detach().float().exp().to(device)
@@ -1003,7 +1004,8 @@ def load_geneval(device, dtype=None):
 def load_geneval_partial(device, dtype=None):
     """GenEval with partial credit, the reward the GenEval stages train on (Flow-GRPO's and DiffusionNFT's): the
     mean over the metadata's clauses of how much of each holds, so a group of images none of which is fully right
-    still has an order (a 0/1 reward leaves it all equal, with zero advantages). Scale: [0, 1]."""
+    still has an order (a 0/1 reward leaves it all equal, with zero advantages). Scale: at most 1; below 0 when
+    more than twice an asked count is found (a count clause scores 1 - abs(count - found) / count)."""
     return geneval_reward(load_geneval_judge(device, dtype), partial=True)
 
 
@@ -1024,7 +1026,7 @@ def jpeg_round_trip(images, quality=75):
 def load_geneval_partial_jpeg(device, dtype=None):
     """geneval_partial on the images as Flow-GRPO's GenEval server receives them, JPEG-encoded at quality 75
     (about 30 ms per 512 px image on a CPU core, well below the detector's pass): for a training run meant to compare
-    with Flow-GRPO's. Scale: [0, 1]."""
+    with Flow-GRPO's. Scale: as geneval_partial's."""
     partial = geneval_reward(load_geneval_judge(device, dtype), partial=True)
 
     def fn(images, prompts, metadata=None):
@@ -1061,9 +1063,13 @@ def quoted_text(prompt):
 
 
 def ocr_score(recognized, target):
-    """1 - edit distance / len(target), clipped to [0, 1], after lower-casing and removing all whitespace."""
+    """1 - edit distance / len(target), clipped to [0, 1], after lower-casing and removing all whitespace; 1 when the
+    target occurs whole in what was read, as in Flow-GRPO's and DiffusionNFT's OCR reward (other text in the image,
+    a sign's border or a second line, costs nothing)."""
     recognized, target = ("".join(s.lower().split()) for s in (recognized, target))
-    return max(0.0, 1.0 - edit_distance(recognized, target) / max(len(target), 1))
+    if target in recognized:
+        return 1.0
+    return max(0.0, 1.0 - edit_distance(recognized, target) / len(target))
 
 
 def ocr_reward(read_text):

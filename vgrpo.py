@@ -1808,14 +1808,14 @@ def build_run(args, rank, world, device):
     family.encode_all([p for stage in stages for p in stage.prompts] + (eval_prompts or []) + [family.negative_prompt],
                       os.path.join(args.output_dir, "embeddings.pt"), write=rank == 0)
     try:
-        # the reward models in the mixed-precision dtype on a GPU; float32 on the CPU (slow bf16 kernels there).
-        # Every stage's at start, so that a missing model stops the run now; one copy per spec
-        reward_dtype = AMP_DTYPES[args.mixed_precision] if device.type == "cuda" else None
+        # the reward models in float32, as the peers' scorers: the advantages divide a group's reward differences
+        # by their std, so bf16's rounding of the scores would enter them scaled up. Every stage's at start, so
+        # that a missing model stops the run now; one copy per spec
         loaded = {}
         for spec in [stage.args.reward for stage in stages] + ([args.eval_rewards or args.reward]
                                                                if args.eval_every else []):
             if spec not in loaded:
-                loaded[spec] = rewards_lib.load_reward(spec, device, reward_dtype)
+                loaded[spec] = rewards_lib.load_reward(spec, device)
         for stage in stages:
             stage.reward_fn = loaded[stage.args.reward]
         eval_reward_fn = loaded[args.eval_rewards or args.reward] if args.eval_every else None

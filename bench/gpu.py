@@ -621,7 +621,7 @@ def measure_beside(res, name, quick, family, args, cond, noise, device, deadline
     sb, db = args.sample_batch, args.decode_batch
     images = vgrpo.decode(family, noise[:db], db)                     # (db, 3, H, W) in [0, 1]
     pickscore = name != "flux"   # the recipes' rewards: PickScore (logit scale, / 26), FLUX.1-dev's HPSv2.1 (cosine)
-    fn = smoke.random_clip_reward(quick, pickscore, 26.0 if pickscore else 1.0)(device, family.amp_dtype)
+    fn = smoke.random_clip_reward(quick, pickscore, 26.0 if pickscore else 1.0)(device)   # float32, as vgrpo's
     pictures = images.repeat(-(-sb // db), 1, 1, 1)[:sb]
     beside = {"decode": (lambda: vgrpo.decode(family, noise[:db], db), db),
               "reward": (lambda: fn(pictures, ["a prompt"] * sb), sb)}

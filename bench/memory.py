@@ -111,7 +111,6 @@ TITLES = {"sd3": "SD3.5-Medium", "flux": "FLUX.1-dev", "qwen-image": "Qwen-Image
           "flux2-klein": "FLUX.2 [klein] base 4B"}
 WORLD = 8  # the recipes' processes
 REAL_GPU = False  # --gpu: measuring on this machine's GPU, not on fake CUDA
-AMP_OF = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}
 GIB = 2 ** 30
 
 
@@ -196,10 +195,9 @@ def build_parts(kind):
             diffusers.FlowMatchEulerDiscreteScheduler(**SCHEDULERS[kind]), pipeline_parts(kind))
 
 
-def build_reward(dtype_name):
+def build_reward():
+    """A CLIP ViT-H/14 reward (PickScore's and HPSv2.1's architecture) on the GPU, in float32 as vgrpo loads it."""
     import torch
-
-    amp = getattr(torch, dtype_name)
     from transformers import CLIPConfig, CLIPModel
 
     import reward
@@ -209,7 +207,7 @@ def build_reward(dtype_name):
                         projection_dim=VIT_H14["projection_dim"])
     with torch.device("cuda"):
         model = CLIPModel(config).eval().to("cuda")
-    return reward.clip_similarity_reward(model, clip_processor(), torch.device("cuda", 0), True, 1.0, amp), model
+    return reward.clip_similarity_reward(model, clip_processor(), torch.device("cuda", 0), True, 1.0), model
 
 
 def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -396,7 +394,7 @@ def measure_phases(kind, full_finetune, fsdp):
     args.micro_batch = math_gcd_micro_batch(args)
     if fsdp:
         vgrpo.setup_distributed("cuda")
-    reward_fn, reward_model = build_reward(AMP_OF[args.mixed_precision])  # on the GPU for the whole run
+    reward_fn, reward_model = build_reward()  # on the GPU for the whole run
     family = build_family(kind, args)
     vgrpo.add_trainable_weights(family, args)
     model = vgrpo.wrap_for_training(family, args, WORLD if fsdp else 1, family.device)

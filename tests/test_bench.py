@@ -1116,7 +1116,7 @@ def test_the_bench_readmes_memory_table_is_the_one_the_results_give():
                "rollout", "VAE decode", "reward"]
     names = [name for name in results for _ in ("one", "fsdp")]
     table = [line for line in lines[start + 2:] if line.startswith("|")][:len(names)]
-    assert len(table) == len(names) == 12
+    assert len(table) == len(names) == 16
     for line, name, key in zip(table, names, ["one", "fsdp"] * len(results)):
         rows = {row[0]: row[1] for row in results[name][key] if "one per rollout pass" not in row[0]}
         want = [next(value for phase, value in rows.items() if phase.startswith(column)) for column in columns]

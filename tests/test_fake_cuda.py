@@ -88,6 +88,9 @@ def test_one_iteration_on_fake_cuda_keeps_every_tensor_on_the_gpu(worker, tmp_pa
     # --compile auto on CUDA: the real models' blocks compiled (a GPU machine's triton, gcc and compute capability),
     # so the compiled path's wiring runs here (the old surrogate with gradients on); the tiny ones stay eager
     assert got["compiled"] == (not name.startswith("tiny"))
+    # the reward models score in float32 under bf16 / fp16 training: the advantages scale their rounding up
+    if not name.startswith("tiny"):   # (the tiny models train on the JPEG reward, which has no model)
+        assert got["reward_dtypes"] == ["torch.float32"]
     if "fp16" in name:
         assert got["scaler"] and got["metrics"]["loss_scale"] == 0.5   # read from the device, once
     if "inner-steps" in name:
@@ -365,7 +368,18 @@ def one_iteration(flags, output_dir):
                 "logged_iterations": logged, "scaler": run.scaler is not None, "old_pass_rows": sum(old_rows),
                 "peak_after_reset": peak_after_reset, "resident": resident, "attention": _attention_kernels(),
                 "sample_grid": os.path.isfile(os.path.join(output_dir, "samples", "iter-00001.png")),
-                "compiled": run.family.compiled}
+                "compiled": run.family.compiled, "reward_dtypes": _reward_model_dtypes()}
+
+
+def _reward_model_dtypes():
+    """The dtypes of the CLIP reward models alive in this process (PickScore, CLIPScore, HPSv2.1, the aesthetic
+    predictor's tower: the text encoders of SD3 and FLUX are other classes)."""
+    import gc
+
+    from transformers import CLIPModel
+
+    gc.collect()
+    return sorted({str(p.dtype) for m in gc.get_objects() if isinstance(m, CLIPModel) for p in m.parameters()})
 
 
 def _attention_kernels():

@@ -256,7 +256,10 @@ def test_ocr_score_is_one_minus_normalised_distance():
     assert reward.ocr_score("opem24hours", "Open 24 Hours") == pytest.approx(1 - 1 / 11)
     assert reward.ocr_score("", "abcd") == 0.0
     assert reward.ocr_score("a much longer wrong text", "abc") == 0.0   # clipped at 0
-    assert reward.ocr_score("", "") == 1.0 and reward.ocr_score("x", "") == 0.0
+    # the target whole inside what was read scores 1 (Flow-GRPO's rule); other text around it costs nothing
+    assert reward.ocr_score("Welcome! Open 24 hours daily", "open 24 hours") == 1.0
+    assert reward.ocr_score("xopen24hourx", "open 24 hours") == pytest.approx(1 - 2 / 11)   # not whole: 2 edits
+    assert reward.ocr_score("", "") == 1.0 and reward.ocr_score("x", "") == 1.0
 
 
 def test_ocr_reward_targets_and_metadata():

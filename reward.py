@@ -15,9 +15,9 @@ CLIP models without downloading anything.
 
 Registry names and their scale on a base model (SD3.5-M / FLUX.1-dev), so that weights can be chosen:
 pickscore ~0.22, clipscore ~0.3, hpsv2 ~0.28, aesthetic ~5.5, imagereward ~1.0, ocr ~0.6, jpeg ~-0.2,
-geneval (0 or 1 per image) ~0.63 and geneval_partial in [0, 1] on SD3.5-M (geneval_partial_jpeg: the same on
-quality-75 JPEGs of the images, as Flow-GRPO's server scores them), unifiedreward in [0.2, 1] (a served judge:
-unifiedreward@http://host:port/v1); on the pretrained digits model:
+geneval (0 or 1 per image) ~0.63 and geneval_partial at most 1 (below 0 past twice a count) on SD3.5-M
+(geneval_partial_jpeg: the same on quality-75 JPEGs of the images, as Flow-GRPO's server scores them),
+unifiedreward in [0.2, 1] (a served judge: unifiedreward@http://host:port/v1); on the pretrained digits model:
 digit in [0, 1] ~0.33, digit_correct and digit_knn 0 or 1 per image.
 Optional package: ocr needs `pip install rapidocr-onnxruntime`; a missing one raises RewardError naming it.
 imagereward needs no package of its own: it runs ImageReward's checkpoint on transformers' BLIP (load_imagereward).
@@ -1065,23 +1065,32 @@ def quoted_text(prompt):
 def ocr_score(recognized, target):
     """1 - edit distance / len(target), clipped to [0, 1], after lower-casing and removing all whitespace; 1 when the
     target occurs whole in what was read, as in Flow-GRPO's and DiffusionNFT's OCR reward (other text in the image,
-    a sign's border or a second line, costs nothing)."""
+    a sign's border or a second line, costs nothing). An empty target scores 0: there is nothing to read."""
     recognized, target = ("".join(s.lower().split()) for s in (recognized, target))
+    if not target:
+        return 0.0
     if target in recognized:
         return 1.0
     return max(0.0, 1.0 - edit_distance(recognized, target) / len(target))
 
 
+def ocr_target(prompt, metadata):
+    """The text an image for `prompt` should show: metadata["text"] where the prompt file gives one, else the prompt's
+    quoted text; None where neither holds anything but whitespace."""
+    target = (metadata or {}).get("text")
+    target = quoted_text(prompt) if target is None else target
+    return target if target is not None and target.strip() else None
+
+
 def ocr_reward(read_text):
-    """OCR reward from any recogniser `read_text(PIL image) -> str`. The target is metadata[i]["text"] when the
-    prompt file gives one, else the quoted text of the prompt; a prompt with neither scores 0 (so its whole
-    group has equal rewards and zero advantage: it does not train, but it does not break the batch)."""
+    """OCR reward from any recogniser `read_text(PIL image) -> str`, against ocr_target; a prompt without a target
+    scores 0 (so its whole group has equal rewards and zero advantage: it does not train, but it does not break the
+    batch)."""
 
     def fn(images, prompts, metadata=None):
         rewards = []
         for i, (image, prompt) in enumerate(zip(to_uint8_images(images), prompts)):
-            target = (metadata[i] or {}).get("text") if metadata else None
-            target = quoted_text(prompt) if target is None else target
+            target = ocr_target(prompt, metadata[i] if metadata else None)
             rewards.append(0.0 if target is None else ocr_score(read_text(image), target))
         return torch.tensor(rewards, dtype=torch.float32)
 
@@ -1126,7 +1135,7 @@ def prompt_file_problem(reward_names, prompts, metadata):
                 prompted_digit(prompt, meta)
             except RewardError as e:
                 return f"prompt {number}: {e}"
-    if "ocr" in reward_names and not any(meta.get("text") is not None or quoted_text(prompt) is not None
+    if "ocr" in reward_names and not any(ocr_target(prompt, meta) is not None
                                          for prompt, meta in zip(prompts, metadata)):
         return ('no prompt quotes a text to render (nor gives it as {"text": ...}): the ocr reward would be 0 for '
                 "every image")
@@ -1526,5 +1535,6 @@ def _load_one(name, device, dtype):
 
 def load_reward(spec, device="cpu", dtype=None):
     """Build the reward function for a spec such as 'jpeg' or 'pickscore:1,clipscore:0.5'. The model-based
-    rewards run on `device`, the CLIP-family ones in `dtype` (None: float32; bf16 suits a GPU)."""
+    rewards run on `device`, the CLIP-family ones in `dtype` (None: float32, as vgrpo runs them; bf16 halves their
+    memory but rounds the scores, which the advantages scale up)."""
     return WeightedReward([(name, w, _load_one(name, device, dtype)) for name, w in parse_reward_spec(spec)])

@@ -917,6 +917,8 @@ def test_held_out_prompts_given_are_evaluated_every_20_iterations_unless_told_ot
     (["--model", "digits"], ['{"prompt": "a digit", "digit": 12}'], """gives "digit": 12, not 0-9"""),
     (["--preset", "sd3-ocr"], ['{"prompt": "a sign"}', '{"prompt": "a shop front"}'],
      "no prompt quotes a text to render"),
+    (["--preset", "sd3-ocr"], ['{"prompt": "a blank sign \\"\\""}', '{"prompt": "a shop front", "text": " "}'],
+     "no prompt quotes a text to render"),                                        # empty texts are no texts
     (["--preset", "sd3-ocr"], ['{"prompt": "a sign"}', '{"prompt": "a shop front", "text": "OPEN"}'], None),
     (["--preset", "sd3-ocr"], ['{"prompt": "a sign reading \\"OPEN\\""}'], None),
 ])

@@ -1808,9 +1808,9 @@ def build_run(args, rank, world, device):
     family.encode_all([p for stage in stages for p in stage.prompts] + (eval_prompts or []) + [family.negative_prompt],
                       os.path.join(args.output_dir, "embeddings.pt"), write=rank == 0)
     try:
-        # the reward models in float32, as the peers' scorers: the advantages divide a group's reward differences
-        # by their std, so bf16's rounding of the scores would enter them scaled up. Every stage's at start, so
-        # that a missing model stops the run now; one copy per spec
+        # the reward models in float32, as Flow-GRPO scores PickScore (HPSv2's own script: fp16 autocast, 3 bits
+        # finer than bf16): the advantages divide a group's reward differences by their std, so rounding of the
+        # scores would enter them scaled up. Every stage's at start, so that a missing model stops the run now
         loaded = {}
         for spec in [stage.args.reward for stage in stages] + ([args.eval_rewards or args.reward]
                                                                if args.eval_every else []):

@@ -7,7 +7,7 @@ on every parameter, which fails on LoRA's frozen base, and refuses a module call
 gradient checkpointing's recomputation and every ODE step do.) Writes bench/results/memory.md.
 
     python bench/memory.py                 # all four models, LoRA and full fine-tuning, without and with --fsdp:
-                                           # about 12 min on 2 CPU cores -> results/memory.md and memory.json
+                                           # about 15 min on 2 CPU cores -> results/memory.md and memory.json
     python bench/memory.py --models sd3 --lora-only
     python bench/memory.py --gpu --time-limit 300   # on a GPU machine: the same code with the caching allocator's
                                            # own counters, beside memory.json's numbers -> results/memory-gpu.md
@@ -668,8 +668,9 @@ def write_report(results, path):
              "the seconds of CPU on a 2-core machine that each section gives where it was timed. Runs give the "
              "same bytes (FLUX.1-dev and FLUX.2 [klein] LoRA, with and without --fsdp, three runs under different "
              "hash seeds).", "",
-             "Checked against an H200's allocated bytes (SD3.5-M, in the project's GPU issue): within 1% on the "
-             "resident state and the LoRA update, the 24-image decode 15% under; row by row and why in "
+             "Checked against an H200's allocated bytes (SD3.5-M, in the project's GPU issue; both counts with the "
+             "reward model in bf16, as then, 1.84 GiB less than now): within 1% on the resident state and the LoRA "
+             "update, the 24-image decode 15% under; row by row and why in "
              "bench/README.md, \"Checked against a GPU\".", "",
              "Under `--fsdp` the process is rank 0 of 8 with torch's fake process group (tests/fake_cuda.py, "
              "fake_processes): FSDP2's own all-gather and reduce-scatter buffers are allocated as on a GPU, and the "

@@ -379,7 +379,8 @@ def _reward_model_dtypes():
     from transformers import CLIPModel
 
     gc.collect()
-    return sorted({str(p.dtype) for m in gc.get_objects() if isinstance(m, CLIPModel) for p in m.parameters()})
+    # issubclass(type(...)): isinstance reads __class__, which raises on a dead weakref.proxy (dynamo makes them)
+    return sorted({str(p.dtype) for m in gc.get_objects() if issubclass(type(m), CLIPModel) for p in m.parameters()})
 
 
 def _attention_kernels():

@@ -259,7 +259,7 @@ def test_ocr_score_is_one_minus_normalised_distance():
     # the target whole inside what was read scores 1 (Flow-GRPO's rule); other text around it costs nothing
     assert reward.ocr_score("Welcome! Open 24 hours daily", "open 24 hours") == 1.0
     assert reward.ocr_score("xopen24hourx", "open 24 hours") == pytest.approx(1 - 2 / 11)   # not whole: 2 edits
-    assert reward.ocr_score("", "") == 1.0 and reward.ocr_score("x", "") == 1.0
+    assert reward.ocr_score("", "") == 0.0 and reward.ocr_score("x", " ") == 0.0    # nothing to read: no signal
 
 
 def test_ocr_reward_targets_and_metadata():

@@ -140,8 +140,7 @@ def clip_similarity_reward(model, processor, device, use_logit_scale, divide_by=
     """Reward = [logit_scale.exp() *] cos(text embedding, image embedding) / divide_by, for any CLIPModel.
 
     Images are preprocessed on `device` as the processor would (clip_pixel_values) and never visit the CPU;
-    the model runs in `dtype` (bf16 halves its memory and time, but rounds the scores: vgrpo keeps float32;
-    the cosine is taken in float32 either way).
+    the model runs in `dtype` (which one: load_reward), the cosine in float32.
     """
     # logit_scale ~ log(100) is read before the cast: in bf16 it would become 4.594, i.e. exp() = 98.9, not 100
     logit_scale = model.logit_scale.detach().float().exp().to(device)

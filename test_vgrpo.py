@@ -831,7 +831,8 @@ def test_flags_out_of_range_are_refused_before_any_model_loads(flags, message, t
 
 
 def test_help_gives_every_flags_default(capsys):
-    """--help: each flag's entry says its default once: the Args field's value or, where --model decides it, the
+    """--help: each flag's entry says its default once: the Args field's value or, where --model decides it, each
+    model's value from RECIPES (all of them: a hand-written list had left out the models added later) or the
     recipe's values in the flag's own words."""
     with pytest.raises(SystemExit):
         vgrpo.parse_args(["--help"])
@@ -844,11 +845,16 @@ def test_help_gives_every_flags_default(capsys):
     assert [flag for flag in fields if entries[flag].count("default") != 1] == []
     for flag, f in fields.items():
         if "default" not in f.metadata["help"]:   # the suffix parse_args writes, the field's value in it
-            shown = ("set by --model" if f.default is None else "none" if f.default == "" else
+            by_model = [f"{model} {recipe[f.name]}" for model, recipe in vgrpo.RECIPES.items() if f.name in recipe]
+            shown = ("set by --model: " + ", ".join(by_model) if f.default is None else "none" if f.default == "" else
                      (flag if f.default else "--no-" + flag[2:]) if isinstance(f.default, bool) else f.default)
+            assert f.default is not None or len(by_model) == len(vgrpo.RECIPES), flag   # no model left unnamed
             assert entries[flag].endswith(f"(default: {shown})"), entries[flag]
     assert "(default: 4)" in entries["--n-mc"] and "(default: 0.01)" in entries["--clip-eps"]
-    assert entries["--beta"].endswith("(default: 0.0)") and entries["--save-every"].endswith("(default: set by --model)")
+    assert entries["--beta"].endswith("(default: 0.0)")
+    assert entries["--resolution"].endswith("(default: set by --model: sd3 512, flux 720, qwen-image 512, flux2-klein "
+                                            "384, digits 16, tiny 32, tiny-flux 32)")
+    assert "flux hpsv2, qwen-image pickscore, flux2-klein pickscore, digits digit" in entries["--reward"]
     assert entries["--tf32"].endswith("(default: --tf32)") and entries["--fsdp"].endswith("(default: --no-fsdp)")
     assert entries["--attention"].endswith("(default: flash,efficient,math)")
     assert "default: on for real models" in entries["--gradient-checkpointing"]

@@ -77,7 +77,8 @@ def arg(default, help):
 
 @dataclass
 class Args:
-    # None: the model's recipe decides (RECIPES below, resolved by resolve_defaults); explicit flags always win.
+    # None: the model's recipe decides (RECIPES below, resolved by resolve_defaults; --help lists each model's value);
+    # explicit flags always win.
     preset: str = arg("", "a named stage of the paper's curriculum (see PRESETS); explicit flags override it")
     curriculum: str = arg("", "run a curriculum as one launch: sd3 (the paper's five SD3.5-M stages, see CURRICULA) or "
                               "a .json list of stages, each {\"iterations\": N, \"preset\": ..., and any of reward, "
@@ -89,26 +90,22 @@ class Args:
                                "[klein] base 4B), tiny / tiny-flux (random, for tests), or a pipeline id or folder")
     reward: str = arg(None, "reward spec name[:weight],...: pickscore, clipscore, hpsv2, imagereward, aesthetic, "
                             "ocr, geneval, geneval_partial(_jpeg), digit(_correct, _knn), jpeg, unifiedreward@"
-                            "http://host:port/v1 (a served judge), http://host:port/path, file.py:function (default: "
-                            "pickscore for SD3, hpsv2 for FLUX, digit for digits, jpeg:100 for the tiny models)")
+                            "http://host:port/v1 (a served judge), http://host:port/path, file.py:function")
     reward_advantage: str = arg("sum", "several rewards: sum (advantage of the weighted sum) or per-reward ("
                                        "weighted mean of each reward's group advantage, as MixGRPO)")
     prompts: str = arg(None, ".txt (one prompt per line) or .jsonl ({\"prompt\": ..., metadata for the reward}); "
                              "default: prompts/train.txt for real models, prompts/digits_train.jsonl for digits, "
                              "12 built-in prompts for the tiny ones")
-    resolution: int = arg(None, "image side in pixels (default: 512 for SD3, 720 for FLUX, 16 for digits, 32 for the "
-                                "tiny models)")
+    resolution: int = arg(None, "image side in pixels")
     max_sequence_length: int = arg(None, "T5 tokens per prompt (default: 256 SD3, 512 FLUX; none for an SD3 without "
                                          "T5, whose T5 part would be that many zero tokens in every forward pass)")
     sampler: str = arg("dpmpp2m", "ODE sampler for rollouts: dpmpp2m (DPM-Solver++ 2M) or euler")
-    sample_steps: int = arg(None, "ODE steps per rollout (default: 40 SD3, 16 FLUX, 12 digits, 10 tiny)")
+    sample_steps: int = arg(None, "ODE steps per rollout")
     guidance: float = arg(None, "classifier-free guidance scale (SD3: default 1 = off, as the paper trains SD3.5-M; "
                                 "Qwen-Image, FLUX.2 [klein] base: 4); FLUX.1: the guidance embedding's value (3.5)")
-    iterations: int = arg(None, "total training iterations, a resumed run continues up to it (150 SD3, 300 FLUX, "
-                                "80 digits, 60 tiny)")
-    prompts_per_step: int = arg(None, "P: prompts per iteration, GLOBAL over all processes (48 SD3, 32 FLUX, "
-                                      "4 digits and tiny)")
-    group_size: int = arg(None, "G: images per prompt, the GRPO group (24 SD3, 12 FLUX, 8 digits and tiny)")
+    iterations: int = arg(None, "total training iterations, a resumed run continues up to it")
+    prompts_per_step: int = arg(None, "P: prompts per iteration, GLOBAL over all processes")
+    group_size: int = arg(None, "G: images per prompt, the GRPO group")
     n_mc: int = arg(4, "N_MC: (sigma, eps) pairs per sample in the ELBO surrogate")
     pair_sharing: str = arg("batch", "who shares the pairs: batch (everyone), group (per prompt) or none")
     stratified: bool = arg(True, "stratify the pairs' sigmas over the sigma grid (--no-stratified to turn off)")
@@ -121,14 +118,13 @@ class Args:
                                      "paper's on-policy SD3.5 runs; 0 otherwise)")
     adv_std_floor: float = arg(0.0, "advantages divide by max(group std, this) + 1e-4 (0: the group std, as GRPO; 1 "
                                     "with rewards in [0, 1]: no std normalisation, as Dr. GRPO)")
-    inner_steps: int = arg(None, "optimizer steps per rollout batch; must divide the group size (1 SD3, digits "
-                                 "and tiny, 4 FLUX)")
+    inner_steps: int = arg(None, "optimizer steps per rollout batch; must divide the group size")
     micro_batch: int = arg(None, "samples per training forward pass, N_MC rows each (default: gcd(minibatch, 16 "
                                  "tiny / 4))")
     sample_batch: int = arg(None, "samples per transformer pass in rollouts and evaluation: no gradients, no kept "
-                                  "activations, so larger than --micro-batch (24 SD3, 12 FLUX, 32 digits, 16 tiny)")
+                                  "activations, so larger than --micro-batch")
     decode_batch: int = arg(None, "images per VAE decoding pass (the decoder's activations would otherwise set the "
-                                  "peak memory at 512-720 px; 4 SD3, 2 FLUX, 32 digits, 16 tiny)")
+                                  "peak memory at 512-720 px)")
     lr: float = arg(None, "AdamW learning rate (default: 2e-3 for tiny, 1e-3 for digits, 3e-4 with LoRA, "
                           "1e-5 for full fine-tuning)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
@@ -142,13 +138,13 @@ class Args:
     fsdp: bool = arg(False, "shard weights, gradients and AdamW states over the processes with FSDP2 (each block, then "
                             "the root): full fine-tuning of FLUX.1-dev; under torchrun, bf16 or float32")
     mixed_precision: str = arg(None, "bf16, fp16 or no: dtype of the transformer's matmuls (and of frozen weights); "
-                                     "the surrogate, the loss, trained weights and AdamW stay float32 (bf16 for real "
-                                     "models, no for digits and the tiny ones)")
+                                     "the surrogate, the loss, trained weights and AdamW stay float32")
     gradient_checkpointing: bool = arg(None, "recompute activations in the backward pass (less memory, ~30%% slower; "
                                              "default: on for real models, off for digits and tiny)")
     tf32: bool = arg(True, "allow TF32 matmuls on CUDA (Ampere and newer)")
     compile: str = arg("auto", "torch.compile each transformer block, once per run: on, off, auto (on CUDA except "
-                               "for digits and tiny); every pass runs the compiled blocks (docs/method.md)")
+                               "for digits, tiny and --kl-to initial); every pass runs the compiled blocks "
+                               "(docs/method.md)")
     attention: str = arg("flash,efficient,math", "the attention kernels torch may pick on CUDA, from flash, efficient, "
                                                  "cudnn, math (all four: torch's own choice); cuDNN's is left out "
                                                  "unless named: it fails in the backward on Hopper (docs/method.md)")
@@ -158,8 +154,7 @@ class Args:
     output_dir: str = arg(None, "metrics, samples, checkpoints (default runs/curriculum-NAME, PRESET or MODEL)")
     resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in "
                           "--output-dir")
-    save_every: int = arg(None, "save a checkpoint every N iterations and at the end (25 real models, 80 digits, "
-                                "50 tiny)")
+    save_every: int = arg(None, "save a checkpoint every N iterations and at the end")
     keep_last: int = arg(0, "keep only the newest N checkpoints (0 keeps all)")
     max_bad_steps: int = arg(3, "stop after this many consecutive iterations with NaN/Inf rewards, losses or gradients")
     dist_timeout: int = arg(600, "seconds a collective may wait for another rank before the run fails (no hangs)")
@@ -756,13 +751,13 @@ def parse_args(argv=None):
         name, text = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.type in (bool, "bool"):  # --flag / --no-flag
             if "default" not in text:
-                shown = "set by --model" if f.default is None else name if f.default else "--no-" + name[2:]
+                shown = recipe_defaults(f.name) if f.default is None else name if f.default else "--no-" + name[2:]
                 text += f" (default: {shown})"
             p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            if "default" not in text:  # None: each model's recipe decides (the help gives its values)
-                shown = "set by --model" if f.default is None else "none" if f.default == "" else f.default
+            if "default" not in text:  # None: each model's recipe decides
+                shown = recipe_defaults(f.name) if f.default is None else "none" if f.default == "" else f.default
                 text += f" (default: {shown})"
             p.add_argument(name, type=typ, default=f.default, help=text)
     known = p.parse_known_args(argv)[0]
@@ -780,6 +775,14 @@ def parse_args(argv=None):
         model = {"model": PRESETS[stages[0]["preset"]]["model"]} if stages[0].get("preset") else {}
         p.set_defaults(**stage_settings(stages[0]), **model, iterations=sum(stage["iterations"] for stage in stages))
     return Args(**vars(p.parse_args(argv)))
+
+
+def recipe_defaults(name):
+    """--help's default of a flag the model's recipe sets: each model's value where every recipe has one (so that
+    the help cannot go stale as recipes are added), else the words "set by --model"."""
+    if not all(name in recipe for recipe in RECIPES.values()):
+        return "set by --model"
+    return "set by --model: " + ", ".join(f"{model} {recipe[name]}" for model, recipe in RECIPES.items())
 
 
 class FatalError(Exception):

@@ -97,8 +97,8 @@ class Args:
                              "default: prompts/train.txt for real models, prompts/digits_train.jsonl for digits, "
                              "12 built-in prompts for the tiny ones")
     resolution: int = arg(None, "image side in pixels")
-    max_sequence_length: int = arg(None, "T5 tokens per prompt (default: 256 SD3, 512 FLUX; none for an SD3 without "
-                                         "T5, whose T5 part would be that many zero tokens in every forward pass)")
+    max_sequence_length: int = arg(None, "text tokens per prompt (default: 256 SD3, Qwen-Image; 512 FLUX.1, FLUX.2 "
+                                         "[klein]; none for an SD3 without T5, not that many zero tokens)")
     sampler: str = arg("dpmpp2m", "ODE sampler for rollouts: dpmpp2m (DPM-Solver++ 2M) or euler")
     sample_steps: int = arg(None, "ODE steps per rollout")
     guidance: float = arg(None, "classifier-free guidance scale (SD3: default 1 = off, as the paper trains SD3.5-M; "

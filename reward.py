@@ -14,10 +14,10 @@ processor you already hold (`clip_similarity_reward`), which is how the tests ru
 CLIP models without downloading anything.
 
 Registry names and their scale on a base model (SD3.5-M / FLUX.1-dev), so that weights can be chosen:
-pickscore ~0.22, clipscore ~0.3, hpsv2 ~0.28, aesthetic ~5.5, imagereward ~1.0, ocr ~0.6, jpeg ~-0.2,
-geneval (0 or 1 per image) ~0.63 and geneval_partial at most 1 (below 0 past twice a count) on SD3.5-M
+pickscore ~0.87, clipscore ~0.3, hpsv2 ~0.28, aesthetic ~5.5, imagereward ~1.0, ocr ~0.6, jpeg ~-0.2,
+geneval (0 or 1 per image) ~0.63 and geneval_partial at most 1 (a count clause < 0 past twice its count) on SD3.5-M
 (geneval_partial_jpeg: the same on quality-75 JPEGs of the images, as Flow-GRPO's server scores them),
-unifiedreward in [0.2, 1] (a served judge: unifiedreward@http://host:port/v1); on the pretrained digits model:
+unifiedreward 0 or 0.2-1 (a served judge: unifiedreward@http://host:port/v1); on the pretrained digits model:
 digit in [0, 1] ~0.33, digit_correct and digit_knn 0 or 1 per image.
 Optional package: ocr needs `pip install rapidocr-onnxruntime`; a missing one raises RewardError naming it.
 imagereward needs no package of its own: it runs ImageReward's checkpoint on transformers' BLIP (load_imagereward).
@@ -203,8 +203,9 @@ def _load_clip(model_id, processor_id, reward_name, device):
 def load_pickscore(device, dtype=None):
     """PickScore (Kirstain et al. 2023): logit_scale.exp() * cos / 26.
 
-    Scale: the division by 26 puts values near 0.20-0.25 for SD3.5 / FLUX images, the scale the V-GRPO,
-    DiffusionNFT and Flow-GRPO tables report (raw PickScore logits sit near 21-23).
+    Scale: raw PickScore logits sit near 21-23 for SD3.5 / FLUX images, so values near 0.81-0.88: the division by 26
+    is Flow-GRPO's and DiffusionNFT's training reward; the V-GRPO, DiffusionNFT and Flow-GRPO tables report the logit
+    / 100 (0.20-0.25).
     """
     model, processor = _load_clip(PICKSCORE_MODEL, PICKSCORE_PROCESSOR, "pickscore", device)
     return clip_similarity_reward(model, processor, device, use_logit_scale=True, divide_by=26.0, dtype=dtype)
@@ -1003,8 +1004,9 @@ def load_geneval(device, dtype=None):
 def load_geneval_partial(device, dtype=None):
     """GenEval with partial credit, the reward the GenEval stages train on (Flow-GRPO's and DiffusionNFT's): the
     mean over the metadata's clauses of how much of each holds, so a group of images none of which is fully right
-    still has an order (a 0/1 reward leaves it all equal, with zero advantages). Scale: at most 1; below 0 when
-    more than twice an asked count is found (a count clause scores 1 - abs(count - found) / count)."""
+    still has an order (a 0/1 reward leaves it all equal, with zero advantages). Scale: at most 1; a count clause
+    goes below 0 when more than twice its count is found (it scores 1 - abs(count - found) / count), and so can the
+    mean."""
     return geneval_reward(load_geneval_judge(device, dtype), partial=True)
 
 

@@ -9,7 +9,7 @@ Launch (each line runs as written; --model sd3 / flux default to the paper's rec
     torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore     # the SD3.5-M recipe with PickScore
     torchrun --nproc_per_node=8 vgrpo.py --preset sd3-preference            # its first curriculum stage
     torchrun --nproc_per_node=8 vgrpo.py --curriculum sd3                   # its five-stage curriculum, one launch
-    torchrun --nproc_per_node=8 vgrpo.py --model flux --prompts hpdv2.txt   # the FLUX.1-dev recipe with HPSv2
+    torchrun --nproc_per_node=8 vgrpo.py --model flux --prompts hpdv2_train.txt  # FLUX.1-dev, HPDv2 (not shipped)
     torchrun --nnodes=2 --node_rank=$NODE_RANK --master_addr=$MASTER --master_port=29500 \
         --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore:1,clipscore:1
     torchrun --nproc_per_node=8 vgrpo.py --model sd3 --reward pickscore --resume auto   # continue after preemption
@@ -150,7 +150,7 @@ class Args:
                                                  "unless named: it fails in the backward on Hopper (docs/method.md)")
     offload_text_encoders: bool = arg(True, "keep the text encoders on the CPU except while new prompts are encoded "
                                             "(CUDA)")
-    seed: int = arg(0, "seed: every random draw is keyed by (seed, iteration, prompt, member)")
+    seed: int = arg(0, "seed of training's draws, each keyed by what it is for (iteration, prompt, member), not rank")
     output_dir: str = arg(None, "metrics, samples, checkpoints (default runs/curriculum-NAME, PRESET or MODEL)")
     resume: str = arg("", "checkpoint directory to continue from (OUTPUT/checkpoint-N), or auto: the newest in "
                           "--output-dir")
@@ -553,7 +553,8 @@ def micro_batches(n_prompts, group_size, inner_steps, micro_batch, device="cpu")
 
 
 def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None):
-    """--inner-steps optimizer steps on the clipped surrogate objective; returns averaged stats.
+    """--inner-steps optimizer steps on the clipped surrogate objective; returns the micro-batches' mean stats (the
+    ratio's extremes: min and max) and skipped_steps.
     batch: o, cond, A, sigmas, eps, s_old / x0_old (old_surrogate: minibatches after the first), x0_ref (--kl-to).
     scaler: a GradScaler with --mixed-precision fp16 (fp16 gradients underflow without loss scaling).
     Statistics stay on the device until the end; the host waits once per optimizer step (to skip a step with a

@@ -29,6 +29,7 @@ a separate pass for its old values (V-GRPO's s_old, DiffusionNFT's v_old, the MD
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -242,11 +243,32 @@ def elbo_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):
     if args.inner_steps > 1:  # the sampling policy's values of the later minibatches (none with one step)
         batch["s_old"], batch["x0_old"] = vgrpo.old_surrogate(family, learner.model, batch, args, P)
     t3 = time.perf_counter()
-    stats = vgrpo.update(family, learner.model, learner.optimizer, learner.params, batch, args, P)
+    with first_step_ratios(args, P) as first:
+        stats = vgrpo.update(family, learner.model, learner.optimizer, learner.params, batch, args, P)
     t4 = time.perf_counter()
     return dict(reward=r.mean().item(), time_rollout=t1 - t0, time_reward=t2 - t1, time_old=t3 - t2,
                 time_update=t4 - t3, backprop_rows=B * args.n_mc, grad_norm=stats["grad_norm"],
-                clip_frac=stats["clip_frac"], ratio_dev_first=0.0)  # vgrpo's update takes s_old from its 1st forward
+                clip_frac=stats["clip_frac"], ratio_dev_first=max(first))
+
+
+@contextlib.contextmanager
+def first_step_ratios(args, n_prompts):
+    """-> a list that fills, inside the block, with the largest |ratio - 1| that vgrpo.update's loss sees on each
+    micro-batch before its first optimizer step (its first inner step's): measured where the update takes its ratio,
+    as the MDP baseline's is, not assumed from how the update is built."""
+    first = sum(k == 0 for k, _ in vgrpo.micro_batches(n_prompts, args.group_size, args.inner_steps, args.micro_batch))
+    seen, real_loss = [], vgrpo.vgrpo_loss
+
+    def loss(s_new, s_old, *rest, **kw):
+        if len(seen) < first:
+            seen.append((s_new.detach() - s_old).exp().sub(1).abs().max().item())
+        return real_loss(s_new, s_old, *rest, **kw)
+
+    vgrpo.vgrpo_loss = loss
+    try:
+        yield seen
+    finally:
+        vgrpo.vgrpo_loss = real_loss
 
 
 def mdp_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):
@@ -316,7 +338,7 @@ def nft_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):
     t4 = time.perf_counter()
     return dict(reward=r.mean().item(), time_rollout=t1 - t0, time_reward=t2 - t1, time_old=t3 - t2,
                 time_update=t4 - t3, backprop_rows=B * s.n_mc,
-                grad_norm=stats["grad_norm"], ratio_dev_first=0.0)
+                grad_norm=stats["grad_norm"], ratio_dev_first=None)   # DiffusionNFT's loss has no ratio
 
 
 def mixgrpo_iteration(learner, family, sigmas, inputs, reward_fn, seed, it):

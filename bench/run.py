@@ -135,7 +135,8 @@ def curves(results, reward):
         out[method] = dict(steps=steps, nfe=[int(nfe[s]) for s in steps], seconds=[float(secs[s]) for s in steps],
                            mean=values.mean(0), std=values.std(0), per_seed=values, phases=phases,
                            nfe_per_it=train[0][0]["nfe"],
-                           ratio_dev=max(t["ratio_dev_first"] for tr in train for t in tr))
+                           ratio_dev=max((t["ratio_dev_first"] for tr in train for t in tr
+                                          if t["ratio_dev_first"] is not None), default=None))   # None: no ratio
     return out
 
 
@@ -195,8 +196,9 @@ def learning_table(results):
                          f"{p['update']:.2f}) | {time_ratio(c, method, hit)} |")
         lines += ["", "Final reward per seed: " + "; ".join(
             f"{m} " + " / ".join(f"{x:+.4f}" for x in v["per_seed"][:, -1]) for m, v in c.items()) + "."]
-        lines += ["", "Largest |ratio - 1| at the first (on-policy) forward of each update: "
-                  + ", ".join(f"{m} {v['ratio_dev']:.1e}" for m, v in c.items()) + ".", ""]
+        lines += ["", "Largest |ratio - 1| on each update's forwards before its first optimizer step (on-policy): "
+                  + ", ".join(f"{m} {v['ratio_dev']:.1e}" for m, v in c.items() if v["ratio_dev"] is not None)
+                  + ".", ""]
     return "\n".join(lines)
 
 

@@ -279,7 +279,7 @@ def test_run_quick_writes_every_result(tmp_path):
     for row in rows:
         final = float(row[2].split("±")[0])
         assert math.isfinite(final) and -2 < final < 0                 # both rewards are negative, above -sqrt(3)
-    assert "V-GRPO 0.0e+00" in learning_md                              # V-GRPO's first ratio is exactly 1
+    assert "V-GRPO 0.0e+00" in learning_md                              # V-GRPO's first ratio is exactly 1 (measured)
     headline_md = (out / "headline.md").read_text()
     assert (out / "headline-one-step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert headline_md.count("## ") - headline_md.count("### ") == 2    # both regimes

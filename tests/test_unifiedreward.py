@@ -311,18 +311,22 @@ def test_transformers_serve_refuses_another_model_in_one_line(served_judge):
         fn(_images(1), ["a"])
 
 
-def test_a_run_logs_the_share_of_answers_without_a_score(served_judge, tmp_path):
+@pytest.mark.parametrize("max_tokens,score,unparsed", [(6, 0.8, 0.0), (2, 0.0, 1.0)])
+def test_a_run_logs_the_share_of_answers_without_a_score(served_judge, tmp_path, max_tokens, score, unparsed):
+    """The judge's "Final Score: 4" whole (6 tokens), or cut before its score (2 tokens): every answer unparsed,
+    scored 0, the share 1 in metrics.jsonl and named once on stderr."""
     base, _ = served_judge
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "vgrpo.py"), "--model", "tiny", "--iterations", "1", "--sample-steps", "2",
          "--prompts-per-step", "2", "--group-size", "2", "--n-mc", "1", "--save-every", "100",
-         "--reward", f"jpeg:100,unifiedreward@{base}?max_tokens=6:1", "--output-dir", str(out)],
+         "--reward", f"jpeg:100,unifiedreward@{base}?max_tokens={max_tokens}:1", "--output-dir", str(out)],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    assert m["reward_unifiedreward"] == pytest.approx(0.8) and "reward_jpeg" in m     # the judge's "Final Score: 4"
-    assert m["reward_unifiedreward_unparsed"] == 0 and "an answer without 'Final Score" not in proc.stderr
+    assert m["reward_unifiedreward"] == pytest.approx(score) and "reward_jpeg" in m
+    assert m["reward_unifiedreward_unparsed"] == unparsed
+    assert proc.stderr.count("an answer without 'Final Score") == (unparsed > 0)
 
 
 def test_flux_preference_says_how_to_add_the_papers_fourth_reward(capsys, monkeypatch, tmp_path):

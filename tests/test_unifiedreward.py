@@ -311,22 +311,31 @@ def test_transformers_serve_refuses_another_model_in_one_line(served_judge):
         fn(_images(1), ["a"])
 
 
-@pytest.mark.parametrize("max_tokens,score,unparsed", [(6, 0.8, 0.0), (2, 0.0, 1.0)])
-def test_a_run_logs_the_share_of_answers_without_a_score(served_judge, tmp_path, max_tokens, score, unparsed):
-    """The judge's "Final Score: 4" whole (6 tokens), or cut before its score (2 tokens): every answer unparsed,
-    scored 0, the share 1 in metrics.jsonl and named once on stderr."""
-    base, _ = served_judge
-    out = tmp_path / "run"
+def run_one_iteration(reward_spec, out, *flags):
+    """`python vgrpo.py` on the tiny model for one iteration, as a user runs it -> (process, its metrics line)."""
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "vgrpo.py"), "--model", "tiny", "--iterations", "1", "--sample-steps", "2",
          "--prompts-per-step", "2", "--group-size", "2", "--n-mc", "1", "--save-every", "100",
-         "--reward", f"jpeg:100,unifiedreward@{base}?max_tokens={max_tokens}:1", "--output-dir", str(out)],
+         "--reward", reward_spec, "--output-dir", str(out), *flags],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    assert m["reward_unifiedreward"] == pytest.approx(score) and "reward_jpeg" in m
-    assert m["reward_unifiedreward_unparsed"] == unparsed
-    assert proc.stderr.count("an answer without 'Final Score") == (unparsed > 0)
+    return proc, json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_a_run_logs_the_share_of_answers_without_a_score(served_judge, tmp_path):
+    """On `transformers serve`, the judge's "Final Score: 4" for every image: share 0, nothing said. On a scripted
+    server whose judge gives one prompt a score and the other none: share 0.5, scored 0, said once on stderr."""
+    base, _ = served_judge
+    proc, m = run_one_iteration(f"jpeg:100,unifiedreward@{base}?max_tokens=6:1", tmp_path / "served")
+    assert m["reward_unifiedreward"] == pytest.approx(0.8) and "reward_jpeg" in m
+    assert m["reward_unifiedreward_unparsed"] == 0 and "an answer without 'Final Score" not in proc.stderr
+    (tmp_path / "two.txt").write_text("a cat\na dog\n")                # both prompts in the iteration's 2 slots
+    with ChatServer({"a cat": "Final Score: 4", "a dog": "I cannot tell."}) as server:
+        proc, m = run_one_iteration(f"jpeg:100,unifiedreward@{server.base}:1", tmp_path / "scripted",
+                                    "--prompts", str(tmp_path / "two.txt"))
+    assert m["reward_unifiedreward"] == pytest.approx((0.8 + 0.8 + 0 + 0) / 4)   # 2 images of each prompt
+    assert m["reward_unifiedreward_unparsed"] == 0.5
+    assert proc.stderr.count("an answer without 'Final Score") == 1 and "I cannot tell." in proc.stderr
 
 
 def test_flux_preference_says_how_to_add_the_papers_fourth_reward(capsys, monkeypatch, tmp_path):

@@ -358,10 +358,23 @@ def test_gpu_bench_quick_mode(tmp_path):
            "peak, 36% of the matrix product's (target 30%: missed); FLUX.1-dev rollout 0% of peak" in on_gpu
     fastest = min(split["total"] for split in (measured[0]["split"], measured[0]["split_compiled"]) if split)
     assert f"SD3.5-M iteration {fastest:.1f} s per GPU of 8 (target 69.7 s: met)." in on_gpu    # (tiny: fast)
+    # a split without its decode and reward (--time-limit) is a lower bound, never judged against the target
+    cut = json.loads(json.dumps(measured[:1]))
+    for phase in ("decode", "reward"):
+        del cut[0]["phases"][phase]
+    cut = [gpu.with_splits(res, data["gpus"]) for res in cut]     # as the run split them
+    whole = measured[0]["split"]
+    assert cut[0]["split"]["unmeasured"] == ["decode", "reward"] and cut[0]["split"]["decode"] is None
+    assert cut[0]["split"]["total"] == pytest.approx(whole["total"] - whole["decode"] - whole["reward"])
+    text = gpu.report(cut, dict(data, gpu=True, device="NVIDIA H200", peak_tflops=989, gpus=8))
+    assert "SD3.5-M iteration not measured whole (target 69.7 s)." in text
+    assert f"| not measured | not measured | {whole['old surrogate']:.1f} (0%) |" in text
+    assert f"| > {cut[0]['split']['total']:.1f} | < " in text
     assert "FLUX.1-dev update not measured (target 45%)" in gpu.report(
         measured[:1], dict(data, gpu=True, device="NVIDIA H200", peak_tflops=989, gpus=8))
     assert f"| SD3.5-M 64 px | rollout | 16 | 16 x 10 steps | {ph['rollout']['seconds']:.3f} | 405 | 41.0% |" in on_gpu
-    assert "on 8 GPUs, seconds per GPU" in on_gpu and "**Not run on a GPU.**" not in on_gpu
+    assert "on 8 GPUs, seconds per GPU projected from this one's phases" in on_gpu
+    assert "**Not run on a GPU.**" not in on_gpu
     assert "| SD3.5-M | update (image tokens) | 64 x 2 x 16 x 8 | " in md and "no such kernel for these inputs" in md
     assert [r["model"] for r in data["results"]] == ["SD3.5-M", "FLUX.1-dev"]
     for r in data["results"]:

@@ -249,20 +249,26 @@ def run_digits(quick, out_dir):
     """The CPU demo's command on the GPU (or the CPU with --quick), 2 iterations evaluated at the end."""
     command = [sys.executable, os.path.join(ROOT, "vgrpo.py"), "--device", "cpu" if quick else "cuda",
                "--iterations", "2", "--eval-every", "2", "--output-dir", out_dir]
-    started = time.perf_counter()
     p = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"python vgrpo.py exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+    with open(os.path.join(out_dir, "config.json")) as f:
+        config = json.load(f)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        m = [json.loads(line) for line in f][-1]
+        m = json.loads(f.readline())
     with open(os.path.join(out_dir, "eval.jsonl")) as f:
         evals = [json.loads(line) for line in f]
-    return dict(name="digits", flags="--model digits (the CPU demo), --iterations 2 --eval-every 2", resolution=16,
-                steps=12, n_mc=4, inner_steps=1, micro_batch=4, images=32, image_tokens=16, build_s=None,
-                iteration_s=time.perf_counter() - started, phases={}, policy_loss=m["policy_loss"],
-                grad_norm=m["grad_norm"], skipped_steps=m["skipped_steps"], ratio_min=m["ratio_min"],
-                ratio_max=m["ratio_max"], first_step_ratio=None, peak_gib=m.get("peak_memory_gib"),
-                held_out=[e["eval_digit_correct"] for e in evals], device="cpu" if quick else "cuda")
+    # the first iteration's figures, as the other rows (its peak includes the evaluation before it), and the
+    # settings the run resolved (config.json)
+    return dict(name="digits", flags="--model digits (the CPU demo), --iterations 2 --eval-every 2",
+                resolution=config["resolution"], steps=config["sample_steps"], n_mc=config["n_mc"],
+                inner_steps=config["inner_steps"], micro_batch=config["micro_batch"],
+                images=config["prompts_per_step"] * config["group_size"], build_s=None, iteration_s=m["time_total"],
+                phases={k: m[f"time_{k}"] for k in ("rollout", "reward", "old", "update")},
+                policy_loss=m["policy_loss"], grad_norm=m["grad_norm"], skipped_steps=m["skipped_steps"],
+                ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], first_step_ratio=None,
+                peak_gib=m.get("peak_memory_gib"), held_out=[e["eval_digit_correct"] for e in evals],
+                device="cpu" if quick else "cuda")
 
 
 def problems(res):

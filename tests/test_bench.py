@@ -799,6 +799,14 @@ def test_smoke_quick_mode_runs_one_iteration_of_every_configuration_and_fails_lo
     assert results["flux-lora"]["inner_steps"] == 4 and results["sd3-lora"]["inner_steps"] == 1   # the recipes'
     assert results["flux-lora"]["ratio_max"] > 1 or results["flux-lora"]["ratio_min"] < 1   # later steps moved
     assert results["sd3-lora"]["images"] == 4 and results["flux-lora"]["images"] == 8
+    # the demo's row: the settings its run resolved and its first iteration's time, from its own files
+    import vgrpo
+
+    digits, recipe = results["digits"], vgrpo.RECIPES["digits"]
+    first = json.loads((tmp_path / "work" / "digits" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (digits["resolution"], digits["steps"], digits["images"]) == (
+        recipe["resolution"], recipe["sample_steps"], recipe["prompts_per_step"] * recipe["group_size"])
+    assert digits["iteration_s"] == first["time_total"] and first["iteration"] == 1
     for name in ("sd3-lora", "sd3-full"):   # the evaluation ran, and its number is eval.jsonl's
         evaluation = json.loads((tmp_path / "work" / name / "eval.jsonl").read_text())
         assert results[name]["held_out_reward"] == evaluation["eval_pickscore"] and evaluation["iteration"] == 1

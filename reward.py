@@ -1372,7 +1372,7 @@ def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, con
         fn.last_counts = {"unparsed": len(missing) / max(1, len(answers))}
         return torch.tensor([0.0 if s is None else s for s in scores], dtype=torch.float32)
 
-    fn.last_counts = {}
+    fn.last_counts = {"unparsed": 0.0}   # what it counts, named before its first call (the evaluation's tally)
     return fn
 
 

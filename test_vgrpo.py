@@ -164,12 +164,14 @@ def test_the_evaluation_tally_groups_each_prompts_images_across_chunks():
     images[:3] = images[0]                                            # prompt 0: three copies of one picture
     features, reward = torch.randn(9, 8, generator=g), torch.rand(9, generator=g)
     local = [(i, k) for i in range(3) for k in range(3)]
-    tally = vgrpo.EvalTally(["r", "s"], ["a", None, "a"], 3)
+    tally = vgrpo.EvalTally(["r", "s"], ["a", None, "a"], 3, counts=["s_unparsed"])
+    shares = {0: 0.25, 4: 0.5, 8: 1.0}                                   # a count: each chunk's share of its images
     for start in range(0, 9, 4):
         rows = slice(start, start + 4)
         tally.add(local[rows], images[rows], {"r": reward[rows], "s": 2 * reward[rows]}, 3 * reward[rows],
-                  features[rows])
+                  features[rows], {"s_unparsed": shares[start]})
     m = tally.metrics(1, "cpu", objective=True)
+    assert m["eval_s_unparsed"] == pytest.approx((0.25 * 4 + 0.5 * 4 + 1.0 * 1) / 9)   # per image, not per chunk
     pixel = [vgrpo.pixel_diversity(images[3 * i:3 * i + 3]) for i in range(3)]
     embedded = [vgrpo.embedding_diversity(features[3 * i:3 * i + 3]) for i in range(3)]
     assert pixel[0] == 0.0 and min(pixel[1:]) > 0

@@ -2471,14 +2471,15 @@ def evaluate(run, done):
     args, fn = run.args, run.eval_reward_fn
     local = [(i, k) for i in range(run.rank, len(run.eval_prompts), run.world) for k in range(args.eval_images)]
     names = [name for name, _, _ in fn.parts]
-    tally = EvalTally(names, [md.get("tag") for md in run.eval_metadata], args.eval_images)
+    counts = [f"{rewards_lib.metric_name(n)}_{c}" for n, _, f in fn.parts for c in getattr(f, "last_counts", {})]
+    tally = EvalTally(names, [md.get("tag") for md in run.eval_metadata], args.eval_images, counts)
     pictured = []                                                      # (images, prompts, rewards) for the grid
     for start in range(0, len(local), args.sample_batch):
         chunk = local[start:start + args.sample_batch]
         prompts = [run.eval_prompts[i] for i, _ in chunk]
         _, _, images = generate(run, prompts, [("eval", i, k) for i, k in chunk])
         total = score(fn, images, prompts, [run.eval_metadata[i] for i, _ in chunk], what="evaluation: ")
-        tally.add(chunk, images, fn.last_parts, total, image_features(fn))
+        tally.add(chunk, images, fn.last_parts, total, image_features(fn), fn.last_counts)
         if sum(len(p) for _, p, _ in pictured) < 10 * args.eval_images:
             pictured.append((images.cpu(), prompts, fn.last_parts[names[0]].float()))
     if args.fsdp:  # FSDP gathers weights in every forward: each rank runs as many passes as the busiest one
@@ -2501,22 +2502,25 @@ def image_features(reward_fn):
 
 class EvalTally:
     """The evaluation's sums, made on each rank and reduced once: every reward and the weighted total per image,
-    the first reward per tag, and per prompt the diversity of its images (pixel_diversity, and embedding_diversity
-    of the CLIP features when the reward has them), overall and per tag."""
+    what the rewards count per image (`counts`: UnifiedReward's share of answers without a score, scored 0), the
+    first reward per tag, and per prompt the diversity of its images (pixel_diversity, and embedding_diversity of the
+    CLIP features when the reward has them), overall and per tag."""
 
-    def __init__(self, names, tag_of, images_per_prompt):
-        self.names, self.images_per_prompt = names, images_per_prompt
+    def __init__(self, names, tag_of, images_per_prompt, counts=()):
+        self.names, self.images_per_prompt, self.counts = names, images_per_prompt, list(counts)
         self.tag_of = [str(t) if t is not None else None for t in tag_of]
         self.tags = list(dict.fromkeys(t for t in self.tag_of if t is not None))
-        self.rewards = torch.zeros(len(names) + 2, dtype=torch.float64)  # each reward, the total, the images
+        # each reward, each count, the total, the images
+        self.rewards = torch.zeros(len(names) + len(self.counts) + 2, dtype=torch.float64)
         # rows: first reward's sum, its images, pixel diversity's sum, embedding diversity's sum, prompts; columns:
         # the tags, then every prompt
         self.by_tag = torch.zeros(5, len(self.tags) + 1, dtype=torch.float64)
         self.pending, self.embedded = {}, False
 
-    def add(self, chunk, images, parts, total, features):
+    def add(self, chunk, images, parts, total, features, counts=None):
         first = parts[self.names[0]].double()
         self.rewards += torch.tensor([*(parts[n].double().sum().item() for n in self.names),
+                                      *(counts[c] * len(chunk) for c in self.counts),   # shares of this chunk
                                       total.double().sum().item(), len(chunk)], dtype=torch.float64)
         for j, (i, _) in enumerate(chunk):
             columns = [self.tags.index(self.tag_of[i])] if self.tag_of[i] is not None else []
@@ -2545,6 +2549,7 @@ class EvalTally:
         means = (rewards[:-1] / rewards[-1].clamp_min(1)).tolist()
         first = rewards_lib.metric_name(self.names[0])
         m = {f"eval_{rewards_lib.metric_name(n)}": v for n, v in zip(self.names, means)}
+        m.update({f"eval_{c}": v for c, v in zip(self.counts, means[len(self.names):])})
         if objective:
             m["eval_reward"] = means[-1]
         per_tag = {t: by_tag[:, k].tolist() for k, t in enumerate(self.tags)}

@@ -332,10 +332,15 @@ def test_a_run_logs_the_share_of_answers_without_a_score(served_judge, tmp_path)
     (tmp_path / "two.txt").write_text("a cat\na dog\n")                # both prompts in the iteration's 2 slots
     with ChatServer({"a cat": "Final Score: 4", "a dog": "I cannot tell."}) as server:
         proc, m = run_one_iteration(f"jpeg:100,unifiedreward@{server.base}:1", tmp_path / "scripted",
-                                    "--prompts", str(tmp_path / "two.txt"))
+                                    "--prompts", str(tmp_path / "two.txt"), "--eval-prompts", str(tmp_path / "two.txt"),
+                                    "--eval-every", "1")
     assert m["reward_unifiedreward"] == pytest.approx((0.8 + 0.8 + 0 + 0) / 4)   # 2 images of each prompt
     assert m["reward_unifiedreward_unparsed"] == 0.5
     assert proc.stderr.count("an answer without 'Final Score") == 1 and "I cannot tell." in proc.stderr
+    evaluations = [json.loads(line) for line in (tmp_path / "scripted" / "eval.jsonl").read_text().splitlines()]
+    assert [e["iteration"] for e in evaluations] == [0, 1]          # the held-out share too: scored 0 there as well
+    assert all(e["eval_unifiedreward_unparsed"] == 0.5 and e["eval_unifiedreward"] == pytest.approx(0.4)
+               for e in evaluations)
 
 
 def test_flux_preference_says_how_to_add_the_papers_fourth_reward(capsys, monkeypatch, tmp_path):

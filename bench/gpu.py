@@ -366,8 +366,6 @@ def measure_model(name, a, gpus, device, deadline, save):
         attempt("profile", profile)
     # last, a cost at start only: the text encoders once per prompt
     attempt("text", lambda: measure_text(res, name, a.quick, family, device, deadline, saved))
-    if "eager" not in a.modes:   # compiled only: its numbers are the phases'
-        res["phases"], res["compiled"] = {**res["phases"], **(res["compiled"] or {})}, None
     return res
 
 
@@ -680,8 +678,9 @@ def report(results, meta):
         where = f"{meta['device']} (dense bf16 peak {peak or '?'} TFLOP/s{practical})"
     lines += [f"`{meta['command']}` on {where}, torch {meta['torch']}, diffusers {meta['diffusers']}, {meta['date']}; "
               f"weights in {meta['dtype']}, the recipe's LoRA (float32), gradient checkpointing, "
-              f"fastest of {meta['repeats']}; "
-              "compiled: vgrpo's `--compile` (each transformer block), its compile time the first run's excess.",
+              f"fastest of {meta['repeats']} (the decode and the reward: of 2; the text encoders: one run); "
+              "compiled: vgrpo's `--compile` (each transformer block), its compile time the first run's excess; peak "
+              "GiB: the compiled run's where there is one.",
               "", "| model | phase | samples | rows | eager s | TFLOP/s | of peak | compiled s | TFLOP/s | of peak | "
               "compile s | peak GiB |", "| --- | --- | --- | --- |" + " ---: |" * 8]
     share = (lambda p: f"{p['tflops'] / peak:.1%}" if peak and "tflops" in p else "")  # noqa: E731

@@ -426,6 +426,15 @@ def test_gpu_bench_quick_mode(tmp_path):
         assert f"Where the time goes: SD3.5-M, one {phase} (compiled)" in md
         assert "Self CPU time total" in r["profile"][phase] and "aten::mm" in r["profile"][phase]
     assert "CompiledFunction" in r["profile"]["update"] and "Torch-Compiled Region" in r["profile"]["rollout"]
+    # --modes compiled: the transformer's phases measured compiled only, reported in the compiled columns (the VAE
+    # and the reward, never compiled, in the eager ones) and split as compiled
+    only = gpu.with_splits(dict(r, phases={k: r["phases"][k] for k in ("decode", "reward")}), 1)
+    assert only["split"] is None and only["split_compiled"]["update"] == r["split_compiled"]["update"]
+    md = gpu.report([only], dict(json.loads((tmp_path / "compiled.json").read_text()), gpu=False))
+    c = r["compiled"]["update"]
+    assert f"| SD3.5-M 64 px (tiny) | update | {c['samples']} | {r['micro_batch'] * r['n_mc']}, fwd + bwd |  | |  | " \
+           f"{c['seconds']:.3f} |" in md
+    assert "| compiled |" in md and "| eager |" not in md
 
     gpu.main(["--quick", "--time-limit", "0", "--out", str(tmp_path / "nothing.md")])
     nothing = (tmp_path / "nothing.md").read_text()

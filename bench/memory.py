@@ -800,7 +800,10 @@ def guide_table(fake, gpu=None):
     if gpu is not None and "results" not in gpu:
         raise ValueError("memory-gpu.json is in the format before the device and the memory outside torch were "
                          "recorded: run bench/memory.py --gpu again")
-    measured, outside = (gpu or {}).get("results", {}), ((gpu or {}).get("outside_torch") or [0, 0])[-1] or 0
+    measured = (gpu or {}).get("results", {})
+    # the memory outside torch's allocator: its last reading (after the runs), else the one at start (a device that
+    # stopped answering), else none read: the 1 GiB of context the fake figures assume, never 0
+    outside = next((v for v in reversed((gpu or {}).get("outside_torch") or []) if v is not None), GIB)
 
     def figures(name, key):   # resident, update peaks on / off, the fit, "(fake CUDA)" where the GPU did not measure
         on_gpu = {row[0]: row[1:3] for row in measured.get(name, {}).get(key, [])}

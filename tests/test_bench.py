@@ -1130,6 +1130,16 @@ def test_the_guides_memory_table_is_the_one_the_results_give():
     assert memory.fits_on(150.0, 15.0) == "none: use `--fsdp`" and memory.fits_on(None, None) == "none: use `--fsdp`"
     with pytest.raises(ValueError, match="run bench/memory.py --gpu again"):   # the format before the device's name
         memory.guide_table({}, {"sd3 LoRA r32": {"one": []}})
+    # the fit of a GPU row: its reserved peak plus the memory outside torch, the last reading there is; one the
+    # device could not give (None) is not taken as 0
+    GIB = memory.GIB
+    rows = [["resident between phases", 5 * GIB, 6 * GIB], ["update, checkpointing on", 13 * GIB, 14.5 * GIB],
+            ["update, checkpointing off", 40 * GIB, 41 * GIB]]
+    fake = {"sd3 LoRA r32": {"one": rows, "fsdp": rows}}
+    for readings, outside in (([0.5 * GIB, 0.7 * GIB], 0.7), ([0.5 * GIB, None], 0.5), ([None, None], 1.0)):
+        table = memory.guide_table(fake, {"results": fake, "outside_torch": readings})
+        need = 14.5 + outside
+        assert f"| {memory.fits_on(need, need * 0.05)} |" in table.splitlines()[2], (readings, table)
 
 
 def test_the_bench_readmes_memory_table_is_the_one_the_results_give():

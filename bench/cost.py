@@ -571,7 +571,8 @@ def rollout_vs_pipeline(bench, repeats):
 
 
 def profiler_peak_bytes(fn):
-    """Peak bytes of live torch tensors while fn runs (torch.profiler memory timeline, CPU)."""
+    """Peak bytes of live torch tensors while fn runs, above those live when it starts (the weights, AdamW's states:
+    what the step itself adds; torch.profiler memory timeline, CPU)."""
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
@@ -758,8 +759,8 @@ def against_floor_lines(res):
         lines.append(f"| rollout ({sampler}) / StableDiffusion3Pipeline (Euler), same batch in one pass "
                      f"| {t_ours:.3f} s | {t_pipe:.3f} s | {ratio:.2f}x | <= 1.0x |")
     vg, fm = res["memory"]["profiler"]
-    lines.append(f"| peak live-tensor memory, V-GRPO step / flow-matching step (torch.profiler) | {vg / 2**20:.1f} MiB "
-                 f"| {fm / 2**20:.1f} MiB | {vg / fm:.2f}x | |")
+    lines.append("| peak live-tensor memory above the step's start, V-GRPO step / flow-matching step (torch.profiler) "
+                 f"| {vg / 2**20:.1f} MiB | {fm / 2**20:.1f} MiB | {vg / fm:.2f}x | |")
     if "rss" in res["memory"]:
         vg, fm = res["memory"]["rss"]
         lines.append(f"| peak RSS growth over the step, fresh process each (VmHWM) | {vg / 2**20:.1f} MiB "

@@ -559,6 +559,14 @@ def gib(value):
     return "OOM" if value is None else f"{value / GIB:.2f}"
 
 
+def measured_with():
+    """When and with which torch and diffusers a configuration was measured: a report that keeps earlier rows beside
+    a rerun's (--models) says which are which."""
+    from importlib.metadata import version
+
+    return f"{time.strftime('%Y-%m-%d')} with torch {version('torch')}, diffusers {version('diffusers')}"
+
+
 def config_title(name):
     kind, training = name.split(" ", 1)
     return f"{TITLES[kind]}, {training}"
@@ -678,7 +686,8 @@ def write_report(results, path):
              ""]
     for name, result in results.items():
         sharded = {row[0]: row[1] for row in result["fsdp"]}
-        took = f". Measured in {result['seconds']:.0f} s." if "seconds" in result else ""
+        when = f" on {result['measured']}" if "measured" in result else ""   # a rerun's beside earlier rows
+        took = f". Measured in {result['seconds']:.0f} s{when}." if "seconds" in result else ""
         lines += [f"## {config_title(name)}", "", result["settings"] + took, "",
                   f"| phase | GiB | GiB with --fsdp over {WORLD} | what |", "| --- | ---: | ---: | --- |"]
         lines += [f"| {phase} | {gib(value)} | {gib(sharded[phase])} | {what} |"
@@ -934,7 +943,7 @@ def main(argv=None):
                 result[key], result["settings"], census = worker.call("bench.memory", "measure_one", kind=kind,
                                                                       full_finetune=full, fsdp=fsdp)
                 result["census"] = result.get("census") or census
-        result["seconds"] = time.time() - t
+        result["seconds"], result["measured"] = time.time() - t, measured_with()
         results[name] = result
         print(f"{name}: {time.time() - t:.0f} s  (GiB; with --fsdp over {WORLD})", flush=True)
         for row, sharded in zip(result["one"], result["fsdp"]):

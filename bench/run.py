@@ -618,12 +618,13 @@ def main():
 
 
 def write_learning(out, results):
-    s = results[0]["setup"]
+    s, methods = results[0]["setup"], list(results[0]["methods"])
     header = (f"Tiny random SD3 (vgrpo.build_tiny_sd3_pipeline), full fine-tuning, AdamW lr {s['lr']}, "
               f"{s['prompts_per_step']} prompts x {s['group_size']} images per iteration, {s['sample_steps']} sampling "
-              f"steps, N_MC = K = {s['n_mc']}, one optimizer step per iteration, {s['iterations']} iterations. "
-              f"Seconds are per-process training time (evaluation excluded) with one torch thread, the three methods "
-              f"interleaved iteration by iteration, on a 2-core machine shared with other work.\n\n")
+              f"steps, N_MC = K = {s['n_mc']}, {s['inner_steps']} optimizer step(s) per iteration, {s['iterations']} "
+              f"iterations. Seconds are per-process training time (evaluation excluded) with one torch thread, "
+              f"{', '.join(methods)} interleaved iteration by iteration, on a 2-core machine shared with other "
+              "work.\n\n")
     with open(os.path.join(out, "learning.md"), "w") as f:
         f.write(header + learning_table(results))
     plot(results, os.path.join(out, "learning.png"))

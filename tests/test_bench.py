@@ -272,6 +272,7 @@ def test_run_quick_writes_every_result(tmp_path):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     learning_md = (out / "learning.md").read_text()
+    assert "1 optimizer step(s) per iteration" in learning_md and "V-GRPO, naive ELBO, MDP interleaved" in learning_md
     for method in ("V-GRPO", "naive ELBO", "MDP"):
         assert learning_md.count(f"| {method} |") == 2, method          # one row per reward
     rows = [line.split("|") for line in learning_md.splitlines() if line.startswith("| ") and "---" not in line

@@ -270,6 +270,7 @@ def test_the_memory_benchmark_remeasures_one_configuration_and_keeps_the_others(
     import shutil
     import subprocess
     import sys
+    import time
 
     from tests import fake_cuda
 
@@ -303,6 +304,11 @@ def test_the_memory_benchmark_remeasures_one_configuration_and_keeps_the_others(
         assert f"| {phase} | {memory.gib(one)} | {memory.gib(sharded)} |" in md, phase
     assert [line for line in md.splitlines() if line.startswith("## ")][:len(before)] == \
         [f"## {memory.config_title(other)}" for other in before]
+    # the rerun's section says when and with what it was measured; the kept ones, measured before, do not
+    assert after[name]["measured"].startswith(time.strftime("%Y-%m-%d") + " with torch ")
+    dated = [line for line in md.splitlines() if " s on 20" in line]
+    assert len(dated) == 1 and dated[0].endswith(f"Measured in {after[name]['seconds']:.0f} s on "
+                                                 f"{after[name]['measured']}.")
 
 
 # --------------------------------------------------------------------------- the scenarios (run in the worker)

@@ -1341,8 +1341,8 @@ def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, con
     at a time, greedy (temperature 0); reward = the answer's Final Score / 5, or 0 where it has none, as the peers
     score it. instruction: the judges' wording, qwen or llava (default: qwen when the model id names it). The first
     request that fails for good fails the batch at once (the queued ones are cancelled). fn.last_counts["unparsed"]
-    is the share of the last batch's answers without a score (logged as reward_unifiedreward_unparsed); the first
-    such answer is printed once."""
+    is the share of the last batch's answers without a score (logged as reward_unifiedreward_unparsed, and by the
+    evaluation, which reads the names in fn.counts); the first such answer is printed once."""
     import sys
 
     model = model or served_model(base, retries=retries, backoff=backoff)
@@ -1372,7 +1372,7 @@ def unifiedreward_reward(base, model=None, instruction=None, max_tokens=512, con
         fn.last_counts = {"unparsed": len(missing) / max(1, len(answers))}
         return torch.tensor([0.0 if s is None else s for s in scores], dtype=torch.float32)
 
-    fn.last_counts = {"unparsed": 0.0}   # what it counts, named before its first call (the evaluation's tally)
+    fn.last_counts, fn.counts = {}, ("unparsed",)   # named before any call: alike on every rank, called or not
     return fn
 
 

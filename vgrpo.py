@@ -98,7 +98,7 @@ class Args:
                              "12 built-in prompts for the tiny ones")
     resolution: int = arg(None, "image side in pixels")
     max_sequence_length: int = arg(None, "text tokens per prompt (default: 256 SD3, Qwen-Image; 512 FLUX.1, FLUX.2 "
-                                         "[klein]; none for an SD3 without T5, not that many zero tokens)")
+                                         "[klein]; 16 tiny-flux; an SD3 without T5: none, not as many zero tokens)")
     sampler: str = arg("dpmpp2m", "ODE sampler for rollouts: dpmpp2m (DPM-Solver++ 2M) or euler")
     sample_steps: int = arg(None, "ODE steps per rollout")
     guidance: float = arg(None, "classifier-free guidance scale (SD3: default 1 = off, as the paper trains SD3.5-M; "
@@ -553,8 +553,8 @@ def micro_batches(n_prompts, group_size, inner_steps, micro_batch, device="cpu")
 
 
 def update(family, model, optimizer, params, batch, args, n_prompts, scaler=None):
-    """--inner-steps optimizer steps on the clipped surrogate objective; returns the micro-batches' mean stats (the
-    ratio's extremes: min and max) and skipped_steps.
+    """--inner-steps optimizer steps on the clipped surrogate objective; returns the stats as means over the
+    micro-batches (grad_norm: over the optimizer steps; ratio_min / ratio_max: the extremes) and skipped_steps.
     batch: o, cond, A, sigmas, eps, s_old / x0_old (old_surrogate: minibatches after the first), x0_ref (--kl-to).
     scaler: a GradScaler with --mixed-precision fp16 (fp16 gradients underflow without loss scaling).
     Statistics stay on the device until the end; the host waits once per optimizer step (to skip a step with a
@@ -2471,7 +2471,7 @@ def evaluate(run, done):
     args, fn = run.args, run.eval_reward_fn
     local = [(i, k) for i in range(run.rank, len(run.eval_prompts), run.world) for k in range(args.eval_images)]
     names = [name for name, _, _ in fn.parts]
-    counts = [f"{rewards_lib.metric_name(n)}_{c}" for n, _, f in fn.parts for c in getattr(f, "last_counts", {})]
+    counts = [f"{rewards_lib.metric_name(n)}_{c}" for n, _, f in fn.parts for c in getattr(f, "counts", ())]
     tally = EvalTally(names, [md.get("tag") for md in run.eval_metadata], args.eval_images, counts)
     pictured = []                                                      # (images, prompts, rewards) for the grid
     for start in range(0, len(local), args.sample_batch):
@@ -2538,8 +2538,8 @@ class EvalTally:
                 del self.pending[i]
 
     def metrics(self, world, device, objective=False):
-        """-> eval_NAME per reward, eval_reward (the weighted total, when `objective`), eval_FIRST/TAG and its
-        mean_of_tags, eval_diversity (and /TAG) and eval_diversity_clip."""
+        """-> eval_NAME per reward, eval_COUNT per count (a share of the images), eval_reward (the weighted total,
+        when `objective`), eval_FIRST/TAG and its mean_of_tags, eval_diversity (and /TAG) and eval_diversity_clip."""
         sums = torch.cat([self.rewards, self.by_tag.flatten(), torch.tensor([float(self.embedded)])])
         if world > 1:
             sums = sums.to(device)

@@ -954,7 +954,8 @@ def merge_runs(paths):
         meta[key] = list(dict.fromkeys(entry for number, run in enumerate(runs) for entry in run.get(key) or []
                                        if still(key, number, entry)))
     order = list(dict.fromkeys(res["model"] for run in runs for res in run["results"]))
-    return [latest[model][1] for model in order], meta
+    # the splits made again from the phases: a file of an older bench/gpu.py may hold them made otherwise
+    return [with_splits(latest[model][1], meta["gpus"]) for model in order], meta
 
 
 if __name__ == "__main__":

@@ -510,6 +510,15 @@ def test_saved_lora_loads_into_stable_diffusion3_pipeline(short_run, tiny):
     assert torch.allclose(tuned, ours, atol=1e-5)
 
 
+def one_and_torchrun(flags, one_dir, many_dir, nproc):
+    """The same command in one process and under torchrun with `nproc` -> the two runs' metrics.jsonl rows."""
+    one = run_script(*flags, "--output-dir", one_dir)
+    many = run_script(*flags, "--output-dir", many_dir, nproc=nproc)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert many.returncode == 0, many.stderr[-3000:]
+    return metrics(one_dir), metrics(many_dir)
+
+
 @pytest.mark.slow
 def test_two_processes_train_exactly_like_one(tmp_path):
     """The default pair sharing (`batch`): one process or two, the same run bit for bit. Why exactly: the two
@@ -518,11 +527,7 @@ def test_two_processes_train_exactly_like_one(tmp_path):
     (tmp_path / "eval.txt").write_text("a red cube\na green ball\na blue cone\n")   # 3 prompts: 2 + 1 per rank
     common = [*FAST, "--iterations", "2", "--inner-steps", "2", "--micro-batch", "2",
               "--eval-prompts", tmp_path / "eval.txt", "--eval-every", "2"]
-    one = run_script(*common, "--output-dir", tmp_path / "one")
-    two = run_script(*common, "--output-dir", tmp_path / "two", nproc=2)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert two.returncode == 0, two.stderr[-3000:]
-    m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    m1, m2 = one_and_torchrun(common, tmp_path / "one", tmp_path / "two", 2)
     assert [x["iteration"] for x in m1] == [x["iteration"] for x in m2] == [1, 2]
     for a, b in zip(m1, m2):
         for key in ("reward_mean", "reward_std", "adv_abs_max", "adv_std", "grad_norm", "ratio_max", "ratio_min",
@@ -556,11 +561,7 @@ def test_eight_processes_train_like_one(tmp_path):
     that; rank j training another prompt slot, or a gradient summed instead of averaged, moves them by a whole step."""
     common = [*FAST, "--iterations", "2", "--prompts-per-step", "16", "--inner-steps", "2", "--micro-batch", "2",
               "--sample-batch", "8", "--decode-batch", "8"]
-    one = run_script(*common, "--output-dir", tmp_path / "one")
-    eight = run_script(*common, "--output-dir", tmp_path / "eight", nproc=8)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert eight.returncode == 0, eight.stderr[-3000:]
-    m1, m8 = metrics(tmp_path / "one"), metrics(tmp_path / "eight")
+    m1, m8 = one_and_torchrun(common, tmp_path / "one", tmp_path / "eight", 8)
     assert [x["iteration"] for x in m1] == [x["iteration"] for x in m8] == [1, 2]
     for key in ("reward_mean", "reward_std", "adv_abs_max", "adv_std"):    # before any update: exactly
         assert m1[0][key] == m8[0][key], (key, m1[0][key], m8[0][key])

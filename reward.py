@@ -1497,7 +1497,8 @@ def as_rewards(value, name, n):
 class WeightedReward:
     """Sum of weighted rewards, checked at the boundary: each part must return B numbers (as_rewards), else
     RewardError names it. `last_parts` keeps each component of the last call for logging, `last_counts` what
-    the parts counted (UnifiedReward's share of answers without a score, as 'unifiedreward_unparsed');
+    the parts counted (UnifiedReward's share of answers without a score, as 'unifiedreward_unparsed'), under the
+    names in `counts`, known before any call;
     `nonfinite` names the parts whose last values were NaN or Inf (the trainer then skips the update).
     `metadata`, a list of B dicts or None, reaches only the parts whose signature accepts it."""
 
@@ -1505,6 +1506,7 @@ class WeightedReward:
         self.parts = parts  # list of (name, weight, fn)
         self.takes_metadata = {name: accepts_metadata(fn) for name, _, fn in parts}
         self.last_parts, self.last_counts, self.nonfinite = {}, {}, []
+        self.counts = [f"{metric_name(name)}_{k}" for name, _, fn in parts for k in getattr(fn, "counts", ())]
 
     def __call__(self, images, prompts, metadata=None):
         if metadata is not None and len(metadata) != len(images):

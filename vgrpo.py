@@ -1812,9 +1812,8 @@ def build_run(args, rank, world, device):
     family.encode_all([p for stage in stages for p in stage.prompts] + (eval_prompts or []) + [family.negative_prompt],
                       os.path.join(args.output_dir, "embeddings.pt"), write=rank == 0)
     try:
-        # the reward models in float32, as Flow-GRPO scores PickScore (HPSv2's own script: fp16 autocast, 3 bits
-        # finer than bf16): the advantages divide a group's reward differences by their std, so rounding of the
-        # scores would enter them scaled up. Every stage's at start, so that a missing model stops the run now
+        # the reward models in float32 (why: reward.load_reward). Every stage's at start, so that a missing model
+        # stops the run now
         loaded = {}
         for spec in [stage.args.reward for stage in stages] + ([args.eval_rewards or args.reward]
                                                                if args.eval_every else []):
@@ -2471,8 +2470,7 @@ def evaluate(run, done):
     args, fn = run.args, run.eval_reward_fn
     local = [(i, k) for i in range(run.rank, len(run.eval_prompts), run.world) for k in range(args.eval_images)]
     names = [name for name, _, _ in fn.parts]
-    counts = [f"{rewards_lib.metric_name(n)}_{c}" for n, _, f in fn.parts for c in getattr(f, "counts", ())]
-    tally = EvalTally(names, [md.get("tag") for md in run.eval_metadata], args.eval_images, counts)
+    tally = EvalTally(names, [md.get("tag") for md in run.eval_metadata], args.eval_images, fn.counts)
     pictured = []                                                      # (images, prompts, rewards) for the grid
     for start in range(0, len(local), args.sample_batch):
         chunk = local[start:start + args.sample_batch]

@@ -28,6 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, ROOT)     # vgrpo's recipes (the demo's evaluation)
 
 # the candidates: flags added to the demo's defaults (vgrpo.RECIPES["digits"]: lr 1e-3, 4 prompts x 8, no KL, no
 # soft clip, advantages divided by the group std + 1e-4)
@@ -134,6 +135,26 @@ def method_rows(path):
     return out
 
 
+def method_meta(path):
+    """A bench/learning.py output -> ({method: the settings it ran with}, (held-out prompts, images per prompt) of
+    its evaluation, or None where the file does not say)."""
+    with open(path) as f:
+        result = json.load(f)
+    setup = result.get("setup", {})
+    size = ((setup["eval_prompts"], max(1, setup["eval_samples"] // setup["eval_prompts"]))
+            if "eval_prompts" in setup else None)
+    return {name: m["settings"] for name, m in result["methods"].items() if "settings" in m}, size
+
+
+def demo_eval_size():
+    """(held-out prompts, images per prompt) of the demo's evaluation, which every candidate keeps."""
+    import vgrpo
+
+    recipe = vgrpo.RECIPES["digits"]
+    with open(os.path.join(ROOT, recipe["eval_prompts"])) as f:
+        return sum(1 for line in f if line.strip()), recipe["eval_images"]
+
+
 def complete(rows, names, iterations):
     """Has every method of `names` been evaluated up to `iterations`?"""
     return all(rows.get(name) and rows[name][-1]["iteration"] == iterations for name in names)
@@ -224,17 +245,18 @@ RUN_HEAD = ["| {} | seed | peak (at) | final | fall | digits at 0 in the end |",
 METHOD_RUN_HEAD = ["| method | seed | peak (at) | final | fall |", "| --- | --- | --- | --- | --- |"]
 
 
-def report(runs, iterations, eval_every, out_dir, method_runs=None, specs=None):
+def report(runs, iterations, eval_every, out_dir, method_runs=None):
     """runs: {(name, seed): eval rows} of the demo's candidates, method_runs: the same of the three methods (their
-    settings `specs`) -> the markdown, and the plots beside it."""
+    settings and evaluation read from the copies of their outputs in out_dir/stability/) -> the markdown, and the
+    plots beside it."""
     method_runs = method_runs or {}
     summaries = {key: summarize_run(rows) for key, rows in runs.items()}
     names = [n for n in CONFIGS if any(k[0] == n for k in runs)]
     lines = ["# Long runs of the CPU demo (`bench/stability.py`)", "",
              f"`python vgrpo.py --iterations {iterations} --eval-every {eval_every} --seed S` plus each candidate's "
-             "flags, "
-             "held-out accuracy of 20 prompts x 8 images by the two judges. fall: the largest drop below the best "
-             "reached before (the target: at most 0.05 on every seed). Mean ± std over the seeds run."]
+             "flags, held-out accuracy of {} prompts x {} images by the two judges. fall: the largest drop below the "
+             "best reached before (the target: at most 0.05 on every seed). Mean ± std over the seeds "
+             "run.".format(*demo_eval_size())]
     if runs:
         lines += ["", TABLE_HEAD[0].format("candidate", "flags"), TABLE_HEAD[1],
                   *summary_rows(runs, summaries, names, lambda n: f"`{' '.join(CONFIGS[n]) or '(the demo)'}`"),
@@ -243,15 +265,21 @@ def report(runs, iterations, eval_every, out_dir, method_runs=None, specs=None):
     if method_runs:
         method_summaries = {key: summarize_run(rows) for key, rows in method_runs.items()}
         kinds = [k for k in METHOD_KINDS if any(key[0] == k for key in method_runs)]
-        settings = {m["name"]: ", ".join(f"{k} {v:g}" for k, v in m.items() if k not in ("name", "kind"))
-                    for m in specs or []}
+        # as each run was made (a run kept from before may have used other settings than the sweep chooses now)
+        metas = {seed: method_meta(os.path.join(out_dir, "stability", f"methods-seed{seed}.json"))
+                 for seed in sorted({seed for _, seed in method_runs})}
+        settings = {kind: " / ".join(dict.fromkeys(
+            ", ".join(f"{k} {v:g}" for k, v in metas[seed][0][kind].items() if k not in ("name", "kind"))
+            for name, seed in sorted(method_runs) if name == kind and kind in metas[seed][0])) for kind in kinds}
+        sizes = " / ".join(dict.fromkeys(f"{size[0]} held-out prompts x {size[1]} images"
+                                         for _, size in metas.values() if size)) or "held-out prompts"
         lines += ["", f"## V-GRPO, DiffusionNFT and MixGRPO to {iterations} iterations", "",
                   f"`python bench/stability.py --methods`: one `bench/learning.py --reward digits --iterations "
                   f"{iterations} --eval-every {eval_every} --run-to-end` per seed, training the three side by side "
                   "from the same pretrained digits model on the same prompts and noises; each at the setting the "
                   "headline's one-step sweep chose (full fine-tuning, one optimizer step per rollout, V-GRPO's "
                   "advantages soft-clipped at 3; not the demo's LoRA), evaluated with the deterministic sampler on "
-                  "the same 20 held-out prompts x 8 images as the demo's candidates above.", "",
+                  f"{sizes} (the demo's candidates: {'{} x {}'.format(*demo_eval_size())}).", "",
                   TABLE_HEAD[0].format("method", "settings"), TABLE_HEAD[1],
                   *summary_rows(method_runs, method_summaries, kinds, lambda n: settings.get(n, "")),
                   "", "Per run (CNN / k-NN):", "", *METHOD_RUN_HEAD,
@@ -341,7 +369,7 @@ def main(argv=None):
     # the tables keep every run made before
     runs = {} if a.quick else earlier_runs(copies, a.iterations)
     method_runs = {} if a.quick else earlier_methods(copies, a.iterations)
-    specs = method_specs() if a.methods or method_runs else None
+    specs = method_specs() if a.methods else None
     for name in [] if a.methods else names:
         for seed in seeds:
             eval_file = os.path.join(a.work, f"{name}-seed{seed}", "eval.jsonl")
@@ -354,7 +382,7 @@ def main(argv=None):
             runs[name, seed] = run_one(name, seed, a.work, a.iterations, a.eval_every, a.threads)
             shutil.copy(eval_file, os.path.join(copies, f"{name}-seed{seed}.eval.jsonl"))
             # after every run: an interrupted sweep keeps its tables
-            report(runs, a.iterations, a.eval_every, a.out, method_runs, specs)
+            report(runs, a.iterations, a.eval_every, a.out, method_runs)
     for seed in seeds if a.methods and not a.report else []:
         if all((kind, seed) in method_runs for kind in METHOD_KINDS):
             continue
@@ -363,10 +391,10 @@ def main(argv=None):
         rows = run_methods(seed, a.work, a.iterations, a.eval_every, a.threads, specs, setup)
         method_runs.update({(name, seed): r for name, r in rows.items()})
         shutil.copy(os.path.join(a.work, f"methods-seed{seed}.json"), os.path.join(copies, f"methods-seed{seed}.json"))
-        report(runs, a.iterations, a.eval_every, a.out, method_runs, specs)
+        report(runs, a.iterations, a.eval_every, a.out, method_runs)
     if not runs and not method_runs:
         p.error(f"no runs in {a.work}")
-    print(f"wrote {report(runs, a.iterations, a.eval_every, a.out, method_runs, specs)}")
+    print(f"wrote {report(runs, a.iterations, a.eval_every, a.out, method_runs)}")
 
 
 def run_regime():

@@ -772,6 +772,27 @@ def test_stability_reads_method_runs_that_are_partial_old_or_hold_other_learners
     assert summary["CNN"]["fall"] == 0.0 and summary["diversity"]["final"] is None
 
 
+def test_stability_report_says_what_each_kept_run_ran_with(tmp_path, monkeypatch):
+    """The methods' settings and evaluation size come from each run's own output (a run kept from before the
+    sweep chose again keeps its settings in the table), the candidates' evaluation size from the demo's recipe."""
+    import stability
+    import vgrpo
+
+    monkeypatch.setitem(vgrpo.RECIPES["digits"], "eval_images", 4)
+    ev = [(0, 0.3), (4, 0.5)]
+    (tmp_path / "stability").mkdir()
+    for seed, lr in ((1, 3e-4), (2, 1e-4)):
+        (tmp_path / "stability" / f"methods-seed{seed}.json").write_text(json.dumps({
+            "setup": {"eval_prompts": 5, "eval_samples": 30}, "methods": {
+                "V-GRPO": {"settings": {"name": "V-GRPO", "kind": "V-GRPO", "lr": lr}, "eval": ev, "check": ev}}}))
+    method_runs = stability.earlier_methods(str(tmp_path / "stability"), 4)
+    assert method_runs.keys() == {("V-GRPO", 1), ("V-GRPO", 2)}
+    md = open(stability.report({}, 4, 4, str(tmp_path), method_runs)).read()
+    n_eval = len([line for line in open(os.path.join(ROOT, "prompts", "digits_eval.jsonl")) if line.strip()])
+    assert f"held-out accuracy of {n_eval} prompts x 4 images" in md
+    assert "on 5 held-out prompts x 6 images" in md and "| V-GRPO | lr 0.0003 / lr 0.0001 | 1,2 |" in md
+
+
 @pytest.mark.slow
 def test_stability_methods_mode_trains_the_headlines_choices_side_by_side_and_reports_them(tmp_path):
     """bench/stability.py --methods --quick: one bench/learning.py job with V-GRPO, DiffusionNFT and MixGRPO at the

@@ -1744,8 +1744,10 @@ def compile_blocks(family):
 
 def missing_compile_toolchain(device):
     """What torch.compile's CUDA kernels need and this machine lacks, or None: triton writes them for GPUs of compute
-    capability 7.0 and newer, and builds each kernel's launcher with the C compiler it finds as $CC, gcc or clang."""
+    capability 7.0 and newer, and builds each kernel's launcher with the C compiler it finds as $CC, gcc or clang,
+    against Python's C headers (where triton looks for them)."""
     import shutil
+    import sysconfig
     from torch.utils._triton import has_triton_package
 
     if not has_triton_package():
@@ -1755,6 +1757,10 @@ def missing_compile_toolchain(device):
         return f"a GPU of compute capability 7.0 or newer (this one: {major}.{minor})"
     if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
         return "a C compiler for triton (gcc or clang, or its path in $CC)"
+    scheme = sysconfig.get_default_scheme()
+    headers = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+    if not os.path.isfile(os.path.join(headers, "Python.h")):
+        return f"Python's C headers for triton ({headers}/Python.h: the python3-dev package of this Python)"
     return None
 
 
@@ -1766,11 +1772,13 @@ def compiled_graphs():
 
 
 def compile_seconds():
-    """The seconds torch.compile has spent compiling frames in this process so far (its own timer of each frame's
-    compile, the backend's included), or None where this torch does not keep that timer."""
+    """The seconds torch.compile has spent compiling in this process so far (its own timers: each frame's compile,
+    the backend's included, and each backward graph that is compiled only at its first backward), or None where this
+    torch does not keep those timers."""
     from torch._dynamo.utils import compilation_time_metrics
 
-    times = [sum(v) for k, v in compilation_time_metrics.items() if k.endswith("compile_inner")]
+    times = [sum(v) for k, v in compilation_time_metrics.items()
+             if k.endswith("compile_inner") or k == "backward._backward_impl"]
     return sum(times) if times else None
 
 

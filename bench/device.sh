@@ -48,8 +48,9 @@ fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DIFFUSERS_ATTN_BACKEND=native
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    # torch.compile on CUDA needs triton and a C compiler: a missing one fails every compiled configuration
-    python3 -c "import shutil, torch, diffusers, transformers, peft
+    # torch.compile on CUDA needs triton, a C compiler and Python's headers: a missing one makes every
+    # configuration eager (--compile auto), so the compiled figures would be missing
+    python3 -c "import shutil, sysconfig, os, torch, diffusers, transformers, peft
 try:
     import triton
     triton = triton.__version__
@@ -57,7 +58,8 @@ except ImportError as e:
     triton = f'missing ({e})'
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__,
       'transformers', transformers.__version__, 'peft', peft.__version__, 'triton', triton,
-      'cc', shutil.which('cc') or shutil.which('gcc') or 'missing')"
+      'cc', shutil.which('cc') or shutil.which('gcc') or 'missing',
+      'Python.h', 'found' if os.path.isfile(os.path.join(sysconfig.get_paths()['include'], 'Python.h')) else 'missing')"
 } 2>&1 | tee "$out/device.txt"
 {
     if [[ $parts == *" smoke "* ]]; then

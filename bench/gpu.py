@@ -93,15 +93,18 @@ MODELS = {
     "flux2-klein": ("Flux2Transformer2DModel", memory.FLUX2_KLEIN_4B, KLEIN_QUICK, (512, None)),
 }
 TITLES = {"sd3": "SD3.5-M", "flux": "FLUX.1-dev", "qwen-image": "Qwen-Image", "flux2-klein": "FLUX.2 [klein] 4B"}
-# dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, matched in order against the device name
-PEAK_TFLOPS = [("H100 PCIe", 756), ("H100", 989), ("H200", 989), ("H800", 989), ("A100", 312), ("A800", 312),
-               ("L40S", 362), ("RTX 4090", 165), ("B200", 2250)]
+# dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets (half their figures "with sparsity"), matched
+# in order against the device name: the PCIe and NVL boards of a chip run slower clocks than its SXM one
+PEAK_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H200 NVL", 835), ("H100", 989), ("H200", 989), ("H800", 989),
+               ("A100", 312), ("A800", 312), ("L40S", 362), ("RTX 4090", 165), ("B200", 2250)]
 
 
 def peak_tflops(device):
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    return peak_tflops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def peak_tflops_of(name):
+    """A GPU's name as torch gives it -> its dense bf16 peak, or None for a GPU not in PEAK_TFLOPS."""
     return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
 
 

@@ -1237,6 +1237,33 @@ def test_the_device_scripts_commands_are_accepted_by_the_scripts_they_call():
         assert p.returncode == 2 and "no CUDA device here" in p.stderr, (words, p.stderr[-2000:])
 
 
+def test_a_gpus_peak_is_its_boards_own():
+    """bench/gpu.py's share of peak divides by the board's dense bf16 peak: an H200 NVL or H100 PCIe board (slower
+    clocks) is not taken for the SXM one its name contains, and a GPU not in the list gets no share at all."""
+    import gpu
+
+    expected = {"NVIDIA H200": 989, "NVIDIA H200 NVL": 835, "NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756,
+                "NVIDIA H100 NVL": 835, "NVIDIA GH200 480GB": 989, "NVIDIA A100-SXM4-80GB": 312, "Tesla T4": None}
+    assert {name: gpu.peak_tflops_of(name) for name in expected} == expected
+    assert gpu.peak_tflops(torch.device("cpu")) is None
+
+
+def test_the_device_scripts_version_line_runs_here():
+    """The Python of bench/device.sh's version line (what device.txt holds: the packages, triton, a C compiler,
+    Python's headers) runs with this machine's Python and names each (an error there would leave device.txt without
+    the versions the GPU figures are quoted with)."""
+    import re
+
+    script = open(os.path.join(ROOT, "bench", "device.sh")).read()
+    code = re.search(r'^\s*python3 -c "(.*?)"$', script, re.M | re.S).group(1)
+    p = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = p.stdout.split()
+    for name in ("torch", "cuda", "diffusers", "transformers", "peft", "triton", "cc", "Python.h"):
+        assert name in line, (name, p.stdout)
+    assert line[line.index("torch") + 1] == torch.__version__ and line[line.index("Python.h") + 1] in ("found", "missing")
+
+
 @pytest.mark.parametrize("parts, ran", [((), ["smoke", "memory", "gpu"]), (("gpu", "memory"), ["memory", "gpu"])])
 def test_the_device_script_runs_the_parts_named_and_refuses_others(tmp_path, parts, ran):
     """bench/device.sh runs all three parts, or only those named (a rerun in what a session has left of its GPU

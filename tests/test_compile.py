@@ -120,3 +120,30 @@ def test_every_compiled_variant_of_the_sd35_blocks_stays_compiled(tmp_path, monk
     attempted, compiled = (counters["frames"][k] - before.get(k, 0) for k in ("total", "ok"))
     assert compiled >= 9 and attempted == compiled          # more variants than the default limit, every one compiled
     assert result["first_step_ratio"] == 0.0 and result["skipped_steps"] == 0
+
+
+def test_compile_seconds_count_a_backward_compiled_at_its_first_backward(monkeypatch):
+    """torch compiles a backward graph that keeps no symbolic sizes only when the first backward runs, under a timer of
+    its own (not the frame's): the run's compile_s counts it. (Compiled anew: a graph found in inductor's caches
+    comes back with its backward.)"""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    class Block(torch.nn.Module):      # (torch.compile does not trace torch.nn's own containers' forward)
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.gelu(self.a(x)))
+
+    torch._dynamo.reset()
+    block = Block()
+    block.compile()
+    loss = block(torch.randn(4, 8)).sum()
+    after_forward = vgrpo.compile_seconds()
+    loss.backward()
+    assert after_forward > 0 and vgrpo.compile_seconds() > after_forward
+    torch._dynamo.reset()

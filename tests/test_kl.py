@@ -96,14 +96,18 @@ def test_compile_auto_leaves_the_blocks_eager_for_the_kl_to_the_initial_model(mo
     assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="auto"), 1, torch.device("cuda"))   # kl_to sampling
 
 
-def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(monkeypatch, capsys):
-    """torch.compile's CUDA kernels need triton, a GPU of compute capability 7.0+ and a C compiler (a slim container
-    image has none): --compile auto then leaves the blocks eager with one note, --compile on refuses in one line,
-    before the models load. What is missing is told apart."""
+def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(monkeypatch, capsys, tmp_path):
+    """torch.compile's CUDA kernels need triton, a GPU of compute capability 7.0+, a C compiler and Python's C headers
+    (a slim container image has neither): --compile auto then leaves the blocks eager with one note, --compile on
+    refuses in one line, before the models load. What is missing is told apart."""
     import shutil
+    import sysconfig
     import torch.utils._triton as triton_utils
 
     cuda = torch.device("cuda")
+    real_paths = sysconfig.get_paths
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: dict(real_paths(*a, **k), include=str(tmp_path)))
+    (tmp_path / "Python.h").touch()                 # this machine's headers: CI's may have none
     monkeypatch.setattr(triton_utils, "has_triton_package", lambda: False)
     assert vgrpo.missing_compile_toolchain(cuda) == "triton (pip install triton)"
     monkeypatch.setattr(triton_utils, "has_triton_package", lambda: True)
@@ -118,6 +122,10 @@ def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(
     monkeypatch.delenv("CC")
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/clang" if name == "clang" else None)
     assert vgrpo.missing_compile_toolchain(cuda) is None
+    (tmp_path / "Python.h").unlink()
+    assert vgrpo.missing_compile_toolchain(cuda) == (f"Python's C headers for triton ({tmp_path}/Python.h: the "
+                                                     "python3-dev package of this Python)")
+    (tmp_path / "Python.h").touch()
 
     monkeypatch.setattr(shutil, "which", lambda name: None)   # no compiler
     assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="auto"), 1, cuda) is False

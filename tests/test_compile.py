@@ -105,7 +105,9 @@ def test_every_compiled_variant_of_the_sd35_blocks_stays_compiled(tmp_path, monk
 
     real_compile = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self: real_compile(self, backend="eager"))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)   # torch's default: compile_blocks raises it
+    # torch's default, which compile_blocks raises (set and put back by hand: monkeypatch's undo deletes a torch
+    # config's entry, and every later compile in this process would fail)
+    limit, torch._dynamo.config.recompile_limit = torch._dynamo.config.recompile_limit, 8
     monkeypatch.setattr(smoke, "QUICK", [*smoke.QUICK, "--compile", "on"])
     for name in ("update", "load_pipeline"):       # smoke.run_config replaces them for its own process
         monkeypatch.setattr(vgrpo, name, getattr(vgrpo, name))
@@ -117,20 +119,19 @@ def test_every_compiled_variant_of_the_sd35_blocks_stays_compiled(tmp_path, monk
         result = smoke.run_config("sd3-lora", True, str(tmp_path))   # SD3.5-M's blocks at toy width, an evaluation
     finally:
         torch._dynamo.reset()   # the eager backend's entries must not count against later tests' limit
+        torch._dynamo.config.recompile_limit = limit
     attempted, compiled = (counters["frames"][k] - before.get(k, 0) for k in ("total", "ok"))
     assert compiled >= 9 and attempted == compiled          # more variants than the default limit, every one compiled
     assert result["first_step_ratio"] == 0.0 and result["skipped_steps"] == 0
 
 
-def test_compile_seconds_count_a_backward_compiled_at_its_first_backward(monkeypatch):
+def test_compile_seconds_count_a_backward_compiled_at_its_first_backward():
     """torch compiles a backward graph that keeps no symbolic sizes only when the first backward runs, under a timer of
     its own (not the frame's): the run's compile_s counts it. (Compiled anew: a graph found in inductor's caches
     comes back with its backward.)"""
     import torch._functorch.config
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     class Block(torch.nn.Module):      # (torch.compile does not trace torch.nn's own containers' forward)
         def __init__(self):
             super().__init__()
@@ -140,10 +141,11 @@ def test_compile_seconds_count_a_backward_compiled_at_its_first_backward(monkeyp
             return self.b(torch.nn.functional.gelu(self.a(x)))
 
     torch._dynamo.reset()
-    block = Block()
-    block.compile()
-    loss = block(torch.randn(4, 8)).sum()
-    after_forward = vgrpo.compile_seconds()
-    loss.backward()
-    assert after_forward > 0 and vgrpo.compile_seconds() > after_forward
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        block = Block()
+        block.compile()
+        loss = block(torch.randn(4, 8)).sum()
+        after_forward = vgrpo.compile_seconds()
+        loss.backward()
+        assert after_forward > 0 and vgrpo.compile_seconds() > after_forward
     torch._dynamo.reset()

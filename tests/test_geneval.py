@@ -126,6 +126,15 @@ def test_colour_clauses_ask_the_colour_of_each_found_object():
     ((0, 0, 10, 10), (1, 0, 11, 10), set()),                        # offset 1 < the shrink 2: clamped to 0
     ((0, 0, 10, 10), (20, 20, 30, 30), {"left of", "above"}),       # diagonal: both 18 / 28.3 = 0.64
     ((0, 0, 10, 10), (20, 8, 30, 18), {"left of"}),                 # dy shrunk to 6 / 21.5 = 0.28: no vertical
+    ((4, 0, 14, 10), (0, 0, 10, 10), set()),                        # each threshold is strict: dx = 0.5 ...
+    ((0, 0, 10, 10), (0, 4, 10, 14), set()),                        # ... dy = -0.5
+    ((0, 4, 10, 14), (0, 0, 10, 10), set()),                        # ... dy = 0.5
+    # boxes off the origin, each of its own width and height: offset (70, 90), sizes summed (60 + 60, 180 + 20),
+    # shrunk by (12, 20) to (58, 70), over the length 114.0: dx = 0.509, dy = 0.614
+    ((120, 330, 180, 510), (50, 320, 110, 340), {"right of", "below"}),
+    # offset (15, 70), sizes (250 + 140, 150 + 270): x shrunk to 0, y to 70 - 42 = 28, dy = 28 / 71.6 = 0.39
+    ((140, 140, 390, 290), (180, 10, 320, 280), set()),
+    ((0, 0, 0.1, 0.1), (0.9, 0, 1.0, 0.1), {"left of"}),            # small boxes: shrunk -0.88, dx = -0.98
 ])
 def test_relative_position(a, b, relations):
     assert reward.relative_position(a, b) == relations
@@ -145,6 +154,32 @@ def test_a_position_clause_compares_with_every_object_of_its_target_clause():
     assert verdict(meta, objects(*two, det("cat", 0.9, left)))[0] is True
     two[1] = det("dog", 0.8, (-30, 0, -20, 10))
     assert verdict(meta, objects(*two, det("cat", 0.9, left)))[0] is False
+
+
+def test_partial_credit_of_counts_colours_positions_and_chains_term_by_term():
+    """The reward server's terms where a count is above one, a position clause's count is off, a position refers to
+    a colour clause, and a position refers to a clause that itself failed its position."""
+    left, right, top = (0, 0, 10, 10), (40, 0, 50, 10), (0, -40, 10, -30)
+    three = [det("cat", 0.9 - 0.1 * i, (20 * i, 0, 20 * i + 10, 10)) for i in range(3)]
+    # count 2, three found: 1 - |2 - 3| / 2 = 0.5 (the best two satisfy GenEval)
+    assert verdict({"tag": "counting", "include": [{"class": "cat", "count": 2}]}, objects(*three)) == (True, 0.5)
+    # a position clause with two cats for one: dog 1, cat 1 - |1 - 2| = 0, and a 0 for its position -> 1 / 3
+    meta = {"tag": "position", "include": [{"class": "dog", "count": 1},
+                                           {"class": "cat", "count": 1, "position": ["left of", 0]}]}
+    assert verdict(meta, objects(det("dog", 0.9, right), *three[:1], det("cat", 0.5, (60, 0, 70, 10)))) == \
+        (True, pytest.approx(1 / 3))
+    # a red car (count and colour exact: it holds), then a dog right of it: car 1, red 1, dog 1, position 1
+    meta = {"tag": "color_attr", "include": [{"class": "car", "count": 1, "color": "red"},
+                                             {"class": "dog", "count": 1, "position": ["right of", 0]}]}
+    assert verdict(meta, objects(det("car", 0.9, left), det("dog", 0.9, right)), lambda name, found: ["red"]) == \
+        (True, 1.0)
+    # no dog; a cat left of it, a bird above the cat: dog 0; cat 1 and 0 (no target); bird 1 and 0 (its target, the
+    # cat, did not hold) -> 2 / 5
+    meta = {"tag": "position", "include": [{"class": "dog", "count": 1},
+                                           {"class": "cat", "count": 1, "position": ["left of", 0]},
+                                           {"class": "bird", "count": 1, "position": ["above", 1]}]}
+    assert verdict(meta, objects(det("cat", 0.9, left), det("bird", 0.9, top))) == (False, pytest.approx(2 / 5))
+    assert reward.geneval_partial_score({"include": []}, {}, no_colours) == 0.0
 
 
 # --------------------------------------------------------------------------- classes
@@ -196,6 +231,12 @@ def test_mask2former_post_processing_by_hand():
         rows, cols = binary.any(1).nonzero().flatten(), binary.any(0).nonzero().flatten()
         assert box == (cols.min().item(), rows.min().item(), cols.max().item() + 1, rows.max().item() + 1)
     assert dets[1][2][:2] == (0, 0) and dets[0][2][2:] == (4, 3)     # top-left and bottom-right corners
+
+
+def test_first_and_last_true_of_each_row():
+    flags = torch.tensor([[False, True, False, True], [False, False, False, False], [True, False, False, False]])
+    first, last = reward._first_and_last(flags)
+    assert first.tolist() == [1, 4, 0] and last.tolist() == [3, -1, 0]      # none: N and -1
 
 
 def test_an_empty_mask_has_a_zero_box_and_score():

@@ -97,6 +97,90 @@ def test_clip_rewards_match_formula(tiny_clip, use_logit_scale, divide_by):
             model.get_image_features(pixel_values=inputs["pixel_values"])), rtol=1e-4, atol=1e-5)
 
 
+def test_the_clip_rewards_freeze_their_models_in_the_dtypes_they_promise(tiny_clip):
+    """A reward model takes no gradient (a reward called where autograd records would keep its activations) and runs
+    in the dtype asked, float32 by default whatever dtype it came in; the aesthetic MLP head stays float32 always."""
+    import copy
+
+    model, processor = tiny_clip
+    for dtype, want in ((None, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        clip = copy.deepcopy(model).to(torch.float16).requires_grad_(True)
+        reward.clip_similarity_reward(clip, processor, "cpu", True, 26.0, dtype=dtype)
+        assert {p.dtype for p in clip.parameters()} == {want} and not any(p.requires_grad for p in clip.parameters())
+        clip, mlp = copy.deepcopy(model).to(torch.float16), reward.AestheticMLP(dim=16).to(torch.bfloat16)
+        reward.aesthetic_reward(clip, processor, mlp, "cpu", dtype=dtype)
+        assert {p.dtype for p in clip.parameters()} == {want} and {p.dtype for p in mlp.parameters()} == {torch.float32}
+        assert not any(p.requires_grad for p in [*clip.parameters(), *mlp.parameters()])
+
+
+def test_a_clip_reward_truncates_long_prompts_to_the_text_models_positions(tiny_clip):
+    """A tokenizer saved without a length limit (model_max_length 1e30) would let a long prompt past the text
+    model's 64 positions: the reward truncates to the smaller of the two, as with a tokenizer that knows its limit."""
+    import copy
+
+    model, processor = tiny_clip
+    unlimited = copy.deepcopy(processor)
+    unlimited.tokenizer.model_max_length = int(1e30)
+    images, prompts = _smooth_or_noise_images(seed=2)[:2], ["a red cat " * 40, "a dog"]
+    assert len(processor.tokenizer(prompts[0])["input_ids"]) > 64
+    want = reward.clip_similarity_reward(model, processor, "cpu", True)(images, prompts)
+    torch.testing.assert_close(reward.clip_similarity_reward(model, unlimited, "cpu", True)(images, prompts), want)
+
+
+@pytest.mark.parametrize("name", ["geneval", "geneval_partial", "geneval_partial_jpeg", "digit", "digit_correct",
+                                  "digit_knn", "ocr", "pickscore"])
+def test_every_reward_that_reads_the_prompts_checks_the_prompt_file(name):
+    """Each GenEval and digit reward refuses the first prompt it cannot score (counted from 1), the ocr reward a file
+    with no text to render; a reward that reads no metadata takes any prompt."""
+    prompts = ["the number seven", "a sign reading \"OPEN\"", "a cat"]
+    metadata = [{"tag": "single_object", "include": [{"class": "dog", "count": 1}]}, {}, {}]
+    problem = reward.prompt_file_problem([name, "jpeg"], prompts, metadata)
+    if name.startswith("geneval"):
+        assert problem.startswith("prompt 2 ('a sign reading \"OPEN\"') has no usable GenEval metadata: "), problem
+    elif name.startswith("digit"):
+        assert problem.startswith("prompt 2: digit rewards: prompt 'a sign reading \"OPEN\"' names no digit;"), problem
+    else:
+        assert problem is None
+    no_text = reward.prompt_file_problem([name], ["a cat", "a dog"], [{"digit": 1}, {"digit": 2}])
+    assert (no_text == 'no prompt quotes a text to render (nor gives it as {"text": ...}): the ocr reward would be 0 '
+                       "for every image") if name == "ocr" else not (no_text or "").startswith("no prompt quotes")
+
+
+def test_images_become_uint8_pictures_clamped_to_0_255():
+    """A VAE decode overshoots [0, 1] a little: below 0 is black, above 1 white, and 0.5 rounds to 128."""
+    images = torch.tensor([-0.5, 0.0, 0.5, 1.0, 1.5, 0.2]).view(1, 1, 2, 3).expand(1, 3, 2, 3)
+    picture = np.asarray(reward.to_uint8_images(images)[0])
+    assert picture.dtype == np.uint8 and picture.shape == (2, 3, 3)
+    assert picture[..., 0].tolist() == [[0, 0, 128], [255, 255, 51]] and (picture == picture[..., :1]).all()
+
+
+def test_a_rewards_answer_is_one_float_per_image_or_a_named_error():
+    """as_rewards takes a tensor, a numpy array or a list of numbers (as float32 on the CPU); booleans, complex
+    numbers, strings and the wrong count are refused with the reward's name."""
+    for value in ([1, 2.5], (1, 2.5), np.array([1.0, 2.5], dtype=np.float64), torch.tensor([1.0, 2.5]),
+                  torch.tensor([1.0, 2.5], dtype=torch.float64)):
+        got = reward.as_rewards(value, "r", 2)
+        assert got.dtype == torch.float32 and got.device.type == "cpu" and got.tolist() == [1.0, 2.5]
+    for value, message in (([1, "x"], "returned a list that is not 2 numbers"),
+                           (torch.tensor([True, False]), "returned Tensor (2,)"),
+                           (torch.tensor([1 + 1j, 2]), "returned Tensor (2,)"),
+                           (torch.zeros(3), "returned Tensor (3,), expected one number per image"),
+                           (0.5, "returned float ()")):
+        with pytest.raises(reward.RewardError, match=re.escape(f"reward 'r' {message}")):
+            reward.as_rewards(value, "r", 2)
+
+
+def test_a_rewards_metric_name_is_the_last_name_in_its_spec():
+    """metrics.jsonl's and rewards.csv's column of a reward: the function of a file, the last path segment of a URL
+    (the host without one), a served judge by its kind; characters outside [A-Za-z0-9_] become one underscore."""
+    names = {"pickscore": "pickscore", "my_rewards.py:colour": "colour", "a/b:c/r.py:score_2": "score_2",
+             "http://host:8000/geneval": "geneval", "https://host:8000/api/v2/ocr-score/": "ocr_score",
+             "http://reward-host:8000": "reward_host", "http://reward-host:8000/": "reward_host",
+             "http://10.0.0.1:5000/a:b": "a_b", "unifiedreward@http://10.0.0.1:8080/v1": "unifiedreward",
+             "geneval_partial_jpeg": "geneval_partial_jpeg"}
+    assert {spec: reward.metric_name(spec) for spec in names} == names
+
+
 def test_reward_spec_errors():
     with pytest.raises(ValueError, match="unknown reward 'foo'.*jpeg, pickscore, clipscore"):
         reward.parse_reward_spec("jpeg,foo")
@@ -114,6 +198,17 @@ def test_reward_spec_errors():
             reward.parse_reward_spec(url)
     assert reward.parse_reward_spec("http://h:8000/score:0.5,http://h:8000") == [("http://h:8000/score", 0.5),
                                                                                 ("http://h:8000", 1.0)]
+    # https too; a URL in the query is no weight; a served judge keeps its own URL's port
+    assert reward.parse_reward_spec("https://h:8443/score:2,http://h:8000/s?next=http://o/x,"
+                                    "unifiedreward@http://j:8080/v1:0.5,unifiedreward@http://j:8080/v1") == [
+        ("https://h:8443/score", 2.0), ("http://h:8000/s?next=http://o/x", 1.0),
+        ("unifiedreward@http://j:8080/v1", 0.5), ("unifiedreward@http://j:8080/v1", 1.0)]
+    for spec, problem in (("https://h:8443:2", "^https://h:8443:2: the port is not a number"),
+                          ("unifiedreward@ftp://j/v1", "unifiedreward@ftp://j/v1"),
+                          ("jpeg:0,pickscore:0", "^every weight in 'jpeg:0,pickscore:0' is 0: the reward would be 0 "
+                                                 "for every image")):
+        with pytest.raises(ValueError, match=problem):
+            reward.parse_reward_spec(spec)
     bad = reward.WeightedReward([("broken", 1.0, lambda images, prompts: torch.zeros(len(images) + 1))])
     with pytest.raises(reward.RewardError, match="'broken'"):
         bad(torch.zeros(2, 3, 8, 8), ["", ""])

@@ -323,6 +323,10 @@ def test_geneval_partial_jpeg_judges_the_quality_75_jpeg_of_each_image(judge):
     by_hand = torch.stack(by_hand)
     assert (by_hand - images).abs().max() > 0.05                      # the encoding changes the pixels
     assert torch.equal(reward.jpeg_round_trip(images), by_hand)
+    ramp = torch.linspace(0, 1, 24)                                   # smooth pictures: JPEG's quality shows
+    smooth = (ramp.view(1, 1, 1, 24) * torch.rand(3, 3, 1, 1) + ramp.view(1, 1, 24, 1) * torch.rand(3, 3, 1, 1)) / 2
+    error = {q: (reward.jpeg_round_trip(smooth, quality=q) - smooth).abs().mean() for q in (75, 95)}
+    assert error[95] < 0.8 * error[75]                                # the quality asked for is the one used
     metadata = [{"tag": "single_object", "include": [{"class": "dog", "count": 1}]}] * 3
     fn = reward.load_reward("geneval_partial_jpeg")
     scores = fn(images, ["a photo of a dog"] * 3, metadata)

@@ -146,12 +146,11 @@ def clip_similarity_reward(model, processor, device, use_logit_scale, divide_by=
     logit_scale = model.logit_scale.detach().float().exp().to(device)
     dtype = dtype or torch.float32
     model = model.to(device, dtype).eval().requires_grad_(False)
-    image_processor = getattr(processor, "image_processor", processor)
     max_length = min(processor.tokenizer.model_max_length, model.config.text_config.max_position_embeddings)
 
     @torch.no_grad()
     def fn(images, prompts):
-        pixels = clip_pixel_values(images.to(device), image_processor).to(dtype)
+        pixels = clip_pixel_values(images.to(device), processor.image_processor).to(dtype)
         text = processor(text=list(prompts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
         img = _features(model.get_image_features(pixel_values=pixels))
         txt = _features(model.get_text_features(input_ids=text["input_ids"].to(device),

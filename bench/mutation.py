@@ -40,7 +40,7 @@ REWARD_FUNCTIONS = ["to_uint8_images", "jpeg_reward", "clip_pixel_values", "clip
 # module: (its mutmut settings in tests/, the functions mutated by default)
 MODULES = {"vgrpo": ("mutmut.cfg", FUNCTIONS), "reward": ("mutmut_reward.cfg", REWARD_FUNCTIONS)}
 MUTMUT = os.path.join(os.path.dirname(sys.executable), "mutmut")  # its entry point (`python -m mutmut` re-imports)
-SKIP = shutil.ignore_patterns(".git", ".venv", "mutants", "runs", "__pycache__", ".pytest_cache", "hub_cache")
+SKIP = shutil.ignore_patterns(".git", ".venv", ".whl", "mutants", "runs", "__pycache__", ".pytest_cache", "hub_cache")
 
 
 def prepare(work, tests, deselect, module="vgrpo"):

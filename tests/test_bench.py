@@ -1237,6 +1237,29 @@ def test_the_device_scripts_commands_are_accepted_by_the_scripts_they_call():
         assert p.returncode == 2 and "no CUDA device here" in p.stderr, (words, p.stderr[-2000:])
 
 
+def test_the_mutation_runs_copy_of_the_project_for_each_module(tmp_path):
+    """bench/mutation.py's copy (mutmut itself is not installed here): the module's settings become setup.cfg, the
+    @torch.no_grad() functions of vgrpo.py are wrapped after their definition instead (mutmut skips decorated
+    functions) and the copy still imports; --tests and --deselect replace the selection."""
+    import ast
+
+    import mutation
+
+    wrapped = mutation.prepare(str(tmp_path / "v"), None, [], "vgrpo")
+    assert {"rollout", "generate", "sample_ode"} <= set(wrapped)
+    source = (tmp_path / "v" / "vgrpo.py").read_text()
+    assert "@torch.no_grad()\ndef" not in source and "rollout = torch.no_grad()(rollout)" in source
+    ast.parse(source)
+    assert "source_paths = vgrpo.py" in (tmp_path / "v" / "setup.cfg").read_text()
+    assert not (tmp_path / "v" / ".git").exists()
+    mutation.prepare(str(tmp_path / "r"), ["tests/test_geneval.py"], ["tests/test_geneval.py::test_x"], "reward")
+    cfg = (tmp_path / "r" / "setup.cfg").read_text()
+    assert "source_paths = reward.py" in cfg
+    selection = cfg.split("pytest_add_cli_args_test_selection =\n")[1].split("pytest_add_cli_args =")[0].split()
+    assert selection == ["tests/test_geneval.py", "--deselect", "tests/test_geneval.py::test_x"]
+    assert (tmp_path / "r" / "reward.py").read_text() == open(os.path.join(ROOT, "reward.py")).read()
+
+
 def test_a_gpus_peak_is_its_boards_own():
     """bench/gpu.py's share of peak divides by the board's dense bf16 peak: an H200 NVL or H100 PCIe board (slower
     clocks) is not taken for the SXM one its name contains, and a GPU not in the list gets no share at all."""
@@ -1261,7 +1284,8 @@ def test_the_device_scripts_version_line_runs_here():
     line = p.stdout.split()
     for name in ("torch", "cuda", "diffusers", "transformers", "peft", "triton", "cc", "Python.h"):
         assert name in line, (name, p.stdout)
-    assert line[line.index("torch") + 1] == torch.__version__ and line[line.index("Python.h") + 1] in ("found", "missing")
+    assert line[line.index("torch") + 1] == torch.__version__
+    assert line[line.index("Python.h") + 1] in ("found", "missing")
 
 
 @pytest.mark.parametrize("parts, ran", [((), ["smoke", "memory", "gpu"]), (("gpu", "memory"), ["memory", "gpu"])])

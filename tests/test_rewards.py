@@ -141,9 +141,15 @@ def test_every_reward_that_reads_the_prompts_checks_the_prompt_file(name):
         assert problem.startswith("prompt 2: digit rewards: prompt 'a sign reading \"OPEN\"' names no digit;"), problem
     else:
         assert problem is None
+    # no text to render, the digits in the metadata: only the ocr reward (and GenEval, lacking its own) refuses
     no_text = reward.prompt_file_problem([name], ["a cat", "a dog"], [{"digit": 1}, {"digit": 2}])
-    assert (no_text == 'no prompt quotes a text to render (nor gives it as {"text": ...}): the ocr reward would be 0 '
-                       "for every image") if name == "ocr" else not (no_text or "").startswith("no prompt quotes")
+    if name == "ocr":
+        assert no_text == ('no prompt quotes a text to render (nor gives it as {"text": ...}): the ocr reward would '
+                           "be 0 for every image")
+        assert reward.prompt_file_problem([name], ["a sign", "a shop"], [{}, {"text": "OPEN"}]) is None
+    else:
+        assert no_text.startswith("prompt 1 ('a cat') has no usable GenEval") if name.startswith("geneval") else \
+            no_text is None
 
 
 def test_images_become_uint8_pictures_clamped_to_0_255():
@@ -161,6 +167,7 @@ def test_a_rewards_answer_is_one_float_per_image_or_a_named_error():
                   torch.tensor([1.0, 2.5], dtype=torch.float64)):
         got = reward.as_rewards(value, "r", 2)
         assert got.dtype == torch.float32 and got.device.type == "cpu" and got.tolist() == [1.0, 2.5]
+    assert reward.as_rewards([True, False], "r", 2).tolist() == [1.0, 0.0]     # Python's bools are numbers
     for value, message in (([1, "x"], "returned a list that is not 2 numbers"),
                            (torch.tensor([True, False]), "returned Tensor (2,)"),
                            (torch.tensor([1 + 1j, 2]), "returned Tensor (2,)"),
@@ -177,7 +184,7 @@ def test_a_rewards_metric_name_is_the_last_name_in_its_spec():
              "http://host:8000/geneval": "geneval", "https://host:8000/api/v2/ocr-score/": "ocr_score",
              "http://reward-host:8000": "reward_host", "http://reward-host:8000/": "reward_host",
              "http://10.0.0.1:5000/a:b": "a_b", "unifiedreward@http://10.0.0.1:8080/v1": "unifiedreward",
-             "geneval_partial_jpeg": "geneval_partial_jpeg"}
+             "geneval_partial_jpeg": "geneval_partial_jpeg", "http://h:1/-score-": "score"}
     assert {spec: reward.metric_name(spec) for spec in names} == names
 
 
@@ -189,7 +196,7 @@ def test_reward_spec_errors():
     for weight in ("nan", "inf", "-inf"):   # float() reads them: a NaN weight would turn every total into NaN
         with pytest.raises(ValueError, match="reward weight for 'jpeg' must be finite"):
             reward.parse_reward_spec(f"jpeg:{weight}")
-    with pytest.raises(ValueError, match="reward file not found: /no/such/rewards.py"):
+    with pytest.raises(ValueError, match=r"^reward file not found: /no/such/rewards\.py$"):
         reward.parse_reward_spec("/no/such/rewards.py:mean")
     assert reward.parse_reward_spec("pickscore:1,clipscore:0.5") == [("pickscore", 1.0), ("clipscore", 0.5)]
     assert reward.parse_reward_spec("jpeg:-0.5") == [("jpeg", -0.5)]   # a negative weight penalises: allowed

@@ -524,6 +524,7 @@ def imagereward_reward(model, tokenizer, device, dtype=torch.float32):
     """Reward = ImageReward's standardised score for an ImageRewardModel and its tokenizer, the batch in one
     forward: the ViT and BERT run in `dtype` on `device`, the head in float32."""
     dtype = dtype or torch.float32
+    model.eval().requires_grad_(False)
     model.vision.to(device, dtype)
     model.text.to(device, dtype)
     model.head.to(device, torch.float32)

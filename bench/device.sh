@@ -51,6 +51,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DIFFUSERS_ATTN_BACKEND=native
     # torch.compile on CUDA needs triton, a C compiler and Python's headers: a missing one makes every
     # configuration eager (--compile auto), so the compiled figures would be missing
     python3 -c "import shutil, sysconfig, os, torch, diffusers, transformers, peft
+scheme = sysconfig.get_default_scheme()   # where triton looks for Python.h (Debian's posix_local read as posix_prefix)
+headers = sysconfig.get_paths(scheme='posix_prefix' if scheme == 'posix_local' else scheme)['include']
 try:
     import triton
     triton = triton.__version__
@@ -59,7 +61,7 @@ except ImportError as e:
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__,
       'transformers', transformers.__version__, 'peft', peft.__version__, 'triton', triton,
       'cc', shutil.which('cc') or shutil.which('gcc') or 'missing',
-      'Python.h', 'found' if os.path.isfile(os.path.join(sysconfig.get_paths()['include'], 'Python.h')) else 'missing')"
+      'Python.h', 'found' if os.path.isfile(os.path.join(headers, 'Python.h')) else 'missing')"
 } 2>&1 | tee "$out/device.txt"
 {
     if [[ $parts == *" smoke "* ]]; then

@@ -137,12 +137,12 @@ def method_rows(path):
 
 def method_meta(path):
     """A bench/learning.py output -> ({method: the settings it ran with}, (held-out prompts, images per prompt) of
-    its evaluation, or None where the file does not say)."""
+    its evaluation, on the demo's held-out prompts, or None where the file does not say)."""
     with open(path) as f:
         result = json.load(f)
     setup = result.get("setup", {})
-    size = ((setup["eval_prompts"], max(1, setup["eval_samples"] // setup["eval_prompts"]))
-            if "eval_prompts" in setup else None)
+    prompts = min(setup.get("eval_prompts", 0), demo_eval_size()[0])     # learning.py takes the first ones there are
+    size = (prompts, max(1, setup["eval_samples"] // prompts)) if prompts else None
     return {name: m["settings"] for name, m in result["methods"].items() if "settings" in m}, size
 
 

@@ -1241,7 +1241,7 @@ def test_the_mutation_runs_copy_of_the_project_for_each_module(tmp_path):
     """bench/mutation.py's copy (mutmut itself is not installed here): the module's settings become setup.cfg, the
     @torch.no_grad() functions of vgrpo.py are wrapped after their definition instead (mutmut skips decorated
     functions) and the copy still imports; --tests and --deselect replace the selection."""
-    import ast
+    import importlib.util
 
     import mutation
 
@@ -1249,7 +1249,16 @@ def test_the_mutation_runs_copy_of_the_project_for_each_module(tmp_path):
     assert {"rollout", "generate", "sample_ode"} <= set(wrapped)
     source = (tmp_path / "v" / "vgrpo.py").read_text()
     assert "@torch.no_grad()\ndef" not in source and "rollout = torch.no_grad()(rollout)" in source
-    ast.parse(source)
+    spec = importlib.util.spec_from_file_location("vgrpo_mutation_copy", tmp_path / "v" / "vgrpo.py")
+    copy = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # (its dataclasses look it up there)
+    try:
+        spec.loader.exec_module(copy)                   # it imports, each function wrapped after its definition
+        assert all(getattr(copy, name).__wrapped__.__name__ == name for name in wrapped)
+        with torch.enable_grad():                       # no_grad all the same
+            noise = torch.ones(1, requires_grad=True)
+            assert not copy.sample_ode(lambda x, sigma: x, noise, torch.tensor([1.0, 0.0])).requires_grad
+    finally:
+        del sys.modules[spec.name]
     assert "source_paths = vgrpo.py" in (tmp_path / "v" / "setup.cfg").read_text()
     assert not (tmp_path / "v" / ".git").exists()
     mutation.prepare(str(tmp_path / "r"), ["tests/test_geneval.py"], ["tests/test_geneval.py::test_x"], "reward")

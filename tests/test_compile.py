@@ -141,11 +141,14 @@ def test_compile_seconds_count_a_backward_compiled_at_its_first_backward():
             return self.b(torch.nn.functional.gelu(self.a(x)))
 
     torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        block = Block()
-        block.compile()
-        loss = block(torch.randn(4, 8)).sum()
-        after_forward = vgrpo.compile_seconds()
-        loss.backward()
-        assert after_forward > 0 and vgrpo.compile_seconds() > after_forward
-    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            block = Block()
+            block.compile()
+            loss = block(torch.randn(4, 8)).sum()
+            after_forward = vgrpo.compile_seconds()
+            loss.backward()
+            assert after_forward > 0 and vgrpo.compile_seconds() > after_forward
+    finally:
+        torch._dynamo.reset()

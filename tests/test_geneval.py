@@ -135,6 +135,7 @@ def test_colour_clauses_ask_the_colour_of_each_found_object():
     # offset (15, 70), sizes (250 + 140, 150 + 270): x shrunk to 0, y to 70 - 42 = 28, dy = 28 / 71.6 = 0.39
     ((140, 140, 390, 290), (180, 10, 320, 280), set()),
     ((0, 0, 0.1, 0.1), (0.9, 0, 1.0, 0.1), {"left of"}),            # small boxes: shrunk -0.88, dx = -0.98
+    ((0.001, 0, 0.001, 0), (0, 0, 0, 0), {"right of"}),              # points 1e-3 apart: not "nearly coincide"
 ])
 def test_relative_position(a, b, relations):
     assert reward.relative_position(a, b) == relations
@@ -324,7 +325,8 @@ def test_geneval_partial_jpeg_judges_the_quality_75_jpeg_of_each_image(judge):
     assert (by_hand - images).abs().max() > 0.05                      # the encoding changes the pixels
     assert torch.equal(reward.jpeg_round_trip(images), by_hand)
     ramp = torch.linspace(0, 1, 24)                                   # smooth pictures: JPEG's quality shows
-    smooth = (ramp.view(1, 1, 1, 24) * torch.rand(3, 3, 1, 1) + ramp.view(1, 1, 24, 1) * torch.rand(3, 3, 1, 1)) / 2
+    colours = torch.rand(2, 3, 3, 1, 1, generator=torch.Generator().manual_seed(0))
+    smooth = (ramp.view(1, 1, 1, 24) * colours[0] + ramp.view(1, 1, 24, 1) * colours[1]) / 2
     error = {q: (reward.jpeg_round_trip(smooth, quality=q) - smooth).abs().mean() for q in (75, 95)}
     assert error[95] < 0.8 * error[75]                                # the quality asked for is the one used
     metadata = [{"tag": "single_object", "include": [{"class": "dog", "count": 1}]}] * 3

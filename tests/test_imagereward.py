@@ -69,10 +69,12 @@ def _want():
 
 
 def test_the_reward_runs_the_vit_and_bert_in_the_dtype_asked_and_the_head_in_float32():
-    """The head is one small MLP and stays float32 (as the standardisation after it) whatever dtype it came in."""
+    """The head is one small MLP and stays float32 (as the standardisation after it) whatever dtype it came in; the
+    model takes no gradient, however it was loaded."""
     state_dict, med_config, cases, tokenizer = _fixture()
     for dtype, want in ((None, torch.float32), (torch.bfloat16, torch.bfloat16)):
-        model = reward.imagereward_model(state_dict, med_config, vision_heads=cases["vision_heads"]).to(torch.float16)
+        model = reward.imagereward_model(state_dict, med_config, vision_heads=cases["vision_heads"])
+        model.to(torch.float16).requires_grad_(True)
         reward.imagereward_reward(model, tokenizer, "cpu", dtype=dtype)
         assert {p.dtype for part in (model.vision, model.text) for p in part.parameters()} == {want}
         assert {p.dtype for p in model.head.parameters()} == {torch.float32}

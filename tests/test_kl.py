@@ -105,9 +105,14 @@ def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(
     import torch.utils._triton as triton_utils
 
     cuda = torch.device("cuda")
-    real_paths = sysconfig.get_paths
-    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: dict(real_paths(*a, **k), include=str(tmp_path)))
-    (tmp_path / "Python.h").touch()                 # this machine's headers: CI's may have none
+    real_paths, schemes = sysconfig.get_paths, []
+
+    def get_paths(*args, **kwargs):   # this machine's paths, but the headers in tmp_path: CI's may have none
+        schemes.append(kwargs.get("scheme", args[0] if args else None))
+        return dict(real_paths(*args, **kwargs), include=str(tmp_path))
+
+    monkeypatch.setattr(sysconfig, "get_paths", get_paths)
+    (tmp_path / "Python.h").touch()
     monkeypatch.setattr(triton_utils, "has_triton_package", lambda: False)
     assert vgrpo.missing_compile_toolchain(cuda) == "triton (pip install triton)"
     monkeypatch.setattr(triton_utils, "has_triton_package", lambda: True)
@@ -126,6 +131,9 @@ def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(
     assert vgrpo.missing_compile_toolchain(cuda) == (f"Python's C headers for triton ({tmp_path}/Python.h: the "
                                                      "python3-dev package of this Python)")
     (tmp_path / "Python.h").touch()
+    monkeypatch.setattr(sysconfig, "get_default_scheme", lambda: "posix_local")   # Debian's system Python
+    schemes.clear()
+    assert vgrpo.missing_compile_toolchain(cuda) is None and schemes == ["posix_prefix"]   # where triton looks
 
     monkeypatch.setattr(shutil, "which", lambda name: None)   # no compiler
     assert vgrpo.compile_wanted(vgrpo.Args(model="sd3", compile="auto"), 1, cuda) is False

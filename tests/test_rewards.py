@@ -107,7 +107,8 @@ def test_the_clip_rewards_freeze_their_models_in_the_dtypes_they_promise(tiny_cl
         clip = copy.deepcopy(model).to(torch.float16).requires_grad_(True)
         reward.clip_similarity_reward(clip, processor, "cpu", True, 26.0, dtype=dtype)
         assert {p.dtype for p in clip.parameters()} == {want} and not any(p.requires_grad for p in clip.parameters())
-        clip, mlp = copy.deepcopy(model).to(torch.float16), reward.AestheticMLP(dim=16).to(torch.bfloat16)
+        clip = copy.deepcopy(model).to(torch.float16).requires_grad_(True)
+        mlp = reward.AestheticMLP(dim=16).to(torch.bfloat16)
         reward.aesthetic_reward(clip, processor, mlp, "cpu", dtype=dtype)
         assert {p.dtype for p in clip.parameters()} == {want} and {p.dtype for p in mlp.parameters()} == {torch.float32}
         assert not any(p.requires_grad for p in [*clip.parameters(), *mlp.parameters()])
@@ -708,16 +709,21 @@ def test_load_reward_passes_device_and_dtype(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_clip_reward_on_cuda_matches_cpu(tmp_path, monkeypatch):
     """Images decoded on the GPU are scored there: the reward equals the CPU one (float32, TF32 off) within 1e-4."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    # cuBLAS's flag is set and put back by hand: monkeypatch's undo deletes it (it is no plain attribute), failing the
+    # teardown and leaving TF32 off for the tests after this one
+    matmul_tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)   # the patch embedding is a convolution
-    images, prompts = _smooth_images(4, 512, 512, 5), ["a red cat", "a dog", "two blue birds", "a house"]
-    model, processor = _tiny_clip_224(tmp_path / "cpu")
-    want = reward.clip_similarity_reward(model, processor, "cpu", True, 26.0)(images, prompts)
-    model, processor = _tiny_clip_224(tmp_path / "gpu")
-    got = reward.clip_similarity_reward(model, processor, "cuda", True, 26.0)(images.cuda(), prompts)
-    assert got.device.type == "cpu" and got.dtype == torch.float32
-    assert (got - want).abs().max() < 1e-4
-    assert reward.clip_pixel_values(images.cuda(), processor.image_processor).device.type == "cuda"
+    try:
+        images, prompts = _smooth_images(4, 512, 512, 5), ["a red cat", "a dog", "two blue birds", "a house"]
+        model, processor = _tiny_clip_224(tmp_path / "cpu")
+        want = reward.clip_similarity_reward(model, processor, "cpu", True, 26.0)(images, prompts)
+        model, processor = _tiny_clip_224(tmp_path / "gpu")
+        got = reward.clip_similarity_reward(model, processor, "cuda", True, 26.0)(images.cuda(), prompts)
+        assert got.device.type == "cpu" and got.dtype == torch.float32
+        assert (got - want).abs().max() < 1e-4
+        assert reward.clip_pixel_values(images.cuda(), processor.image_processor).device.type == "cuda"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
 
 
 # --------------------------------------------------------------------------- hub_standins.py: the hub models offline

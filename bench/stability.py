@@ -252,11 +252,12 @@ def report(runs, iterations, eval_every, out_dir, method_runs=None):
     method_runs = method_runs or {}
     summaries = {key: summarize_run(rows) for key, rows in runs.items()}
     names = [n for n in CONFIGS if any(k[0] == n for k in runs)]
+    demo_prompts, demo_images = demo_eval_size()
     lines = ["# Long runs of the CPU demo (`bench/stability.py`)", "",
              f"`python vgrpo.py --iterations {iterations} --eval-every {eval_every} --seed S` plus each candidate's "
-             "flags, held-out accuracy of {} prompts x {} images by the two judges. fall: the largest drop below the "
-             "best reached before (the target: at most 0.05 on every seed). Mean ± std over the seeds "
-             "run.".format(*demo_eval_size())]
+             f"flags, held-out accuracy of {demo_prompts} prompts x {demo_images} images by the two judges. fall: the "
+             "largest drop below the best reached before (the target: at most 0.05 on every seed). Mean ± std over "
+             "the seeds run."]
     if runs:
         lines += ["", TABLE_HEAD[0].format("candidate", "flags"), TABLE_HEAD[1],
                   *summary_rows(runs, summaries, names, lambda n: f"`{' '.join(CONFIGS[n]) or '(the demo)'}`"),
@@ -279,7 +280,7 @@ def report(runs, iterations, eval_every, out_dir, method_runs=None):
                   "from the same pretrained digits model on the same prompts and noises; each at the setting the "
                   "headline's one-step sweep chose (full fine-tuning, one optimizer step per rollout, V-GRPO's "
                   "advantages soft-clipped at 3; not the demo's LoRA), evaluated with the deterministic sampler on "
-                  f"{sizes} (the demo's candidates: {'{} x {}'.format(*demo_eval_size())}).", "",
+                  f"{sizes} (the demo's candidates: {demo_prompts} x {demo_images}).", "",
                   TABLE_HEAD[0].format("method", "settings"), TABLE_HEAD[1],
                   *summary_rows(method_runs, method_summaries, kinds, lambda n: settings.get(n, "")),
                   "", "Per run (CNN / k-NN):", "", *METHOD_RUN_HEAD,

@@ -1158,13 +1158,16 @@ def test_the_guides_memory_table_is_the_one_the_results_give():
         guide = f.read()
     start, end = (guide.index(mark) for mark in memory.GUIDE_MARKS)
     assert guide[start + len(memory.GUIDE_MARKS[0]):end].strip() == memory.results_table()
-    # the cards' usable GiB: 16 GB 14.9, 24 GB 22.3, 48 GB 44.6, 80 GB 79.6, 141 GB 140.4
+    # the cards' usable GiB: 16 GB 14.9, 24 GB 22.3, 32 GB 29.8, 48 GB 44.6, 80 GB 79.6, 141 GB 140.4
     assert memory.fits_on(10.0, 1.0) == "16 GB" and memory.fits_on(14.9, 0.0) == "16 GB"
     assert memory.fits_on(16.0, 0.0) == "24 GB"                              # 16 GiB needs more than a 16 GB card
     assert memory.fits_on(14.0, 1.4) == "24 GB (16 GB is tight)"
     assert memory.fits_on(42.0, 4.2) == "80 GB (48 GB is tight)"
     assert memory.fits_on(140.0, 14.0) == "141 GB (tight)"
     assert memory.fits_on(150.0, 15.0) == "none: use `--fsdp`" and memory.fits_on(None, None) == "none: use `--fsdp`"
+    for card, usable in ((16, 14.9), (24, 22.3), (32, 29.8), (48, 44.6), (80, 79.6)):   # at each card's edge
+        assert memory.fits_on(usable, 0.0) == f"{card} GB" and memory.fits_on(usable + 0.05, 0.0) != f"{card} GB"
+    assert memory.fits_on(140.4, 0.0) == "141 GB" and memory.fits_on(140.45, 0.0) == "none: use `--fsdp`"
     with pytest.raises(ValueError, match="run bench/memory.py --gpu again"):   # the format before the device's name
         memory.guide_table({}, {"sd3 LoRA r32": {"one": []}})
     # the fit of a GPU row: its reserved peak (13.3 GiB) plus the memory outside torch, the last reading there is,
@@ -1336,3 +1339,225 @@ def test_the_device_script_runs_the_parts_named_and_refuses_others(tmp_path, par
     refused = subprocess.run(["bash", script, "memory", "gpus"], env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and "no part 'gpus'" in refused.stderr
     assert len((tmp_path / "calls").read_text().splitlines()) == len(calls)   # nothing more ran
+
+
+# --------------------------------------------------------------------------- the GPU run's verdicts, on made-up results
+# bench/device.sh runs once on a GPU machine lent for minutes: what its scripts conclude from what they measured (a
+# configuration failed, a target met, which run a merge keeps) is checked here on results made up to fail each check.
+
+
+def test_the_smoke_runs_verdict_fails_each_kind_of_bad_result():
+    """bench/smoke.py's problems(): a configuration passes only with the ratio at the first inner step within 1e-6 of
+    1 (measured: not None), a finite loss and gradient norm, no skipped step, compiled blocks on CUDA and a finite
+    held-out number (digits: its last evaluation's)."""
+    import smoke
+
+    ok = dict(name="flux-lora", first_step_ratio=0.0, policy_loss=-0.012, grad_norm=0.4, skipped_steps=0,
+              gpu="NVIDIA H200", compiled=True, held_out_reward=None)
+    assert smoke.problems(ok) == [] and smoke.problems(dict(ok, first_step_ratio=1e-6)) == []
+    for change, problem in [
+            (dict(first_step_ratio=2e-6), "ratio at the first inner step off 1 by 2e-06"),
+            (dict(first_step_ratio=0.5), "ratio at the first inner step off 1 by 0.5"),
+            (dict(first_step_ratio=None), "ratio at the first inner step off 1 by None"),   # never compared
+            (dict(policy_loss=math.nan), "non-finite loss nan or gradient norm 0.4"),
+            (dict(grad_norm=math.inf), "non-finite loss -0.012 or gradient norm inf"),
+            (dict(skipped_steps=1), "1 skipped step(s)"),
+            (dict(compiled=False), "the transformer's blocks ran eager on CUDA"),
+            (dict(held_out_reward=math.nan), "non-finite held-out evaluation nan")]:
+        assert smoke.problems(dict(ok, **change)) == [problem], change
+    assert smoke.problems(dict(ok, gpu=None, compiled=False)) == []   # --quick on the CPU runs eager
+    assert smoke.problems(dict(ok, error="no result within 140 s")) == ["no result within 140 s"]
+    assert len(smoke.problems(dict(ok, first_step_ratio=0.1, skipped_steps=2, grad_norm=math.nan))) == 3
+    # the demo is run as users run it (one inner step, no old-surrogate pass): its ratio is not compared; its
+    # held-out number is the last evaluation's accuracy
+    digits = dict({k: v for k, v in ok.items() if k != "held_out_reward"}, name="digits", first_step_ratio=None)
+    assert smoke.problems(dict(digits, held_out=[0.3125, 0.7625])) == []
+    assert smoke.held_out_number(dict(digits, held_out=[0.3125, 0.7625])) == 0.7625
+    assert smoke.problems(dict(digits, held_out=[math.nan, 0.7625])) == []
+    assert smoke.problems(dict(digits, held_out=[0.3125, math.nan])) == ["non-finite held-out evaluation nan"]
+    assert smoke.held_out_number(dict(digits, held_out=None)) is None
+
+
+def write_json(path, data):
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_a_smoke_merge_keeps_a_configuration_no_run_ran_and_fails(tmp_path):
+    """bench/smoke.py --merge: a configuration that no run ran ("not run" in each) stays in the report as failed and
+    the exit status is 1; one that a rerun ran replaces the first run's "not run"."""
+    import smoke
+
+    meta = dict(gpu=True, device="NVIDIA H200", torch="2.11.0+cu130 (CUDA 13.0)", date="2026-12-07")
+    passed = dict(first_step_ratio=0.0, policy_loss=0.01, grad_norm=0.3, skipped_steps=0, gpu="NVIDIA H200",
+                  compiled=True, compiled_graphs=4, compile_s=30.0, flags="--model flux", resolution=720, steps=16,
+                  n_mc=2, inner_steps=4, images=8, peak_gib=40.0, build_s=12.0, iteration_s=90.0)
+    first = write_json(tmp_path / "first.json", dict(meta, command="python bench/smoke.py", results=[
+        dict(passed, name="flux-lora"), dict(name="sd3-lora", error="not run: --budget 180 s spent"),
+        dict(name="digits", error="not run: --budget 180 s spent")]))
+    rerun = write_json(tmp_path / "rerun.json", dict(meta, command="python bench/smoke.py --only sd3-lora,digits",
+                       results=[dict(passed, name="sd3-lora"),
+                                dict(name="digits", error="not run: --budget 9 s spent")]))
+    out = tmp_path / "merged.md"
+    assert smoke.main(["--merge", f"{first},{rerun}", "--out", str(out)]) == 1
+    merged = json.loads((tmp_path / "merged.json").read_text())["results"]
+    assert [(r["name"], r.get("error")) for r in merged] == [("flux-lora", None), ("sd3-lora", None),
+                                                             ("digits", "not run: --budget 180 s spent")]
+    assert "| digits |" in out.read_text() and out.read_text().count("| ok |") == 2
+
+
+def made_up_gpu_result(model, phases, compiled=None, inner_steps=4):
+    return dict(model=model, resolution=512, steps=40, n_mc=4, sample_batch=12, decode_batch=6, micro_batch=2,
+                recipe=dict(P=48, G=24, inner_steps=inner_steps), phases=phases, compiled=compiled)
+
+
+def test_the_gpu_benchs_iteration_split_is_the_recipes_per_gpu_share():
+    """bench/gpu.py's seconds per GPU of one iteration: P*G/gpus samples per GPU, in sample batches for the rollout,
+    decode batches for the VAE, the reward's own batch; the old surrogate for the (inner_steps - 1) / inner_steps
+    of the micro-batches after the first minibatch, the update for every micro-batch."""
+    import gpu
+
+    phases = {"rollout": dict(seconds=10.0), "decode": dict(seconds=1.0), "reward": dict(samples=24, seconds=3.0),
+              "old surrogate": dict(seconds=0.5), "update": dict(seconds=1.5)}
+    split = gpu.iteration_split(made_up_gpu_result("FLUX.1-dev", phases), 8, phases)
+    n = 48 * 24 / 8                                                  # 144 samples on each of 8 GPUs
+    expected = {"rollout": n / 12 * 10.0, "decode": n / 6 * 1.0, "reward": n / 24 * 3.0,
+                "old surrogate": 3 / 4 * n / 2 * 0.5, "update": n / 2 * 1.5}
+    assert {k: split[k] for k in expected} == pytest.approx(expected)
+    assert split["samples_per_gpu"] == n and split["total"] == pytest.approx(sum(expected.values()))
+    assert split["images_per_s"] == pytest.approx(n / sum(expected.values())) and split["unmeasured"] == []
+    one_inner = gpu.iteration_split(made_up_gpu_result("SD3.5-M", phases, inner_steps=1), 1, phases)
+    assert one_inner["old surrogate"] == 0 and one_inner["rollout"] == pytest.approx(48 * 24 / 12 * 10.0)
+    partial = {k: v for k, v in phases.items() if k != "decode"}   # the decode not measured: a lower bound, named
+    split = gpu.iteration_split(made_up_gpu_result("FLUX.1-dev", partial), 8, partial)
+    assert split["decode"] is None and split["unmeasured"] == ["decode"]
+    assert split["total"] == pytest.approx(sum(expected.values()) - expected["decode"])
+    assert gpu.iteration_split(made_up_gpu_result("FLUX.1-dev", {"rollout": phases["rollout"]}), 8, {}) is None
+
+
+def test_the_gpu_benchs_targets_judge_the_better_of_eager_and_compiled():
+    """bench/gpu.py's targets: each phase's better rate of eager and compiled against its share of the peak, the
+    faster whole iteration (one with a phase unmeasured is not judged) against half of 139.4 s, on 8 GPUs only."""
+    import gpu
+
+    meta = dict(gpu=True, peak_tflops=1000.0, matmul_tflops=800.0, gpus=8)
+    sd3 = made_up_gpu_result("SD3.5-M", {"rollout": dict(tflops=300.0), "update": dict(tflops=350.0)},
+                             compiled={"rollout": dict(tflops=450.0), "update": dict(tflops=250.0)})
+    flux = made_up_gpu_result("FLUX.1-dev", {"rollout": dict(tflops=440.0)})
+    sd3.update(split=dict(total=80.0, unmeasured=[]), split_compiled=dict(total=60.0, unmeasured=[]))
+    line = gpu.target_lines([sd3, flux], meta)[-1]
+    assert line == ("Targets (the better of eager and compiled): "
+                    "SD3.5-M rollout 45% of peak, 56% of the matrix product's (target 40%: met); "
+                    "SD3.5-M update 35% of peak, 44% of the matrix product's (target 30%: met); "
+                    "FLUX.1-dev rollout 44% of peak, 55% of the matrix product's (target 45%: missed); "
+                    "FLUX.1-dev update not measured (target 45%); "
+                    "SD3.5-M iteration 60.0 s per GPU of 8 (target 69.7 s: met).")
+    sd3.update(split=dict(total=75.0, unmeasured=[]), split_compiled=dict(total=50.0, unmeasured=["reward"]))
+    assert "SD3.5-M iteration 75.0 s per GPU of 8 (target 69.7 s: missed)" in gpu.target_lines([sd3], meta)[-1]
+    assert "iteration" not in gpu.target_lines([sd3], dict(meta, gpus=1))[-1]   # one GPU's split is not the recipe's
+    assert gpu.target_lines([sd3], dict(meta, gpu=False)) == []
+
+
+def test_a_gpu_bench_merge_keeps_the_failures_no_later_result_replaced(tmp_path):
+    """bench/gpu.py's merge: each model's fullest result (the later run's on a tie), and a run's failure of a model
+    only while no later run measured that model."""
+    import gpu
+
+    meta = dict(device="NVIDIA H200", torch="2.11.0+cu130", dtype="bf16", gpus=8, skipped=[], unfinished=[],
+                kernels=None)
+    whole = {"rollout": dict(seconds=10.0), "old surrogate": dict(seconds=0.5), "update": dict(seconds=1.5)}
+    first = write_json(tmp_path / "first.json", dict(meta, command="first", failed=[
+        "FLUX.1-dev: eager: RuntimeError: CUDA error"], results=[made_up_gpu_result("SD3.5-M", whole)]))
+    sd3_again = write_json(tmp_path / "sd3.json", dict(meta, command="sd3 again", failed=[], results=[
+        made_up_gpu_result("SD3.5-M", {k: dict(seconds=2 * v["seconds"]) for k, v in whole.items()})]))
+    flux = write_json(tmp_path / "flux.json", dict(meta, command="flux", failed=[], results=[
+        made_up_gpu_result("FLUX.1-dev", whole)]))
+    results, merged = gpu.merge_runs([first])
+    assert merged["failed"] == ["FLUX.1-dev: eager: RuntimeError: CUDA error"]
+    results, merged = gpu.merge_runs([first, sd3_again])
+    assert merged["failed"] == ["FLUX.1-dev: eager: RuntimeError: CUDA error"]
+    assert results[0]["phases"]["rollout"]["seconds"] == 20.0            # a tie: the later run's
+    assert results[0]["split"]["total"] > 0 and merged["command"] == "first; then sd3 again"
+    results, merged = gpu.merge_runs([first, flux])
+    assert merged["failed"] == [] and [r["model"] for r in results] == ["SD3.5-M", "FLUX.1-dev"]
+    partial = write_json(tmp_path / "partial.json", dict(meta, command="cut", failed=[], results=[
+        made_up_gpu_result("SD3.5-M", {"rollout": dict(seconds=1.0)})]))
+    results, merged = gpu.merge_runs([first, partial])
+    assert results[0]["phases"] == whole                                 # a fuller earlier result stays
+
+
+def test_the_kernel_table_gives_each_kernels_share_of_peak_and_short_failures(monkeypatch):
+    """bench/gpu.py's attention table: TFLOP/s as a share of the peak, failures in a few words, the kernel torch
+    picks; a torch that cannot say which it picks leaves that column empty, not the report unwritten."""
+    import gpu
+
+    shape = dict(model="FLUX.1-dev", phase="update", rows=4, heads=24, tokens=2537, head_dim=128, masked=True)
+    kernels = dict(shapes=[shape], kernels=["flash", "fa3", "cudnn"], picked={"FLUX.1-dev update": "flash"}, rows=[
+        dict(model="FLUX.1-dev", phase="update", kernel="flash", ms=2.0, tflops=500.0, max_rel_diff=0.004),
+        dict(model="FLUX.1-dev", phase="update", kernel="fa3", error="No module named 'flash_attn_interface'")])
+    row = [line for line in gpu.kernel_lines(kernels, dict(peak_tflops=1000.0, gpu=True)) if "2537" in line]
+    assert row == ["| FLUX.1-dev | update | 4 x 24 x 2537 x 128, masked | 2 ms, 500 (50%), diff 0.004 | not installed "
+                   "(flash_attn_interface) | not run | flash |"]
+    assert gpu.failure_cell("No viable backend for scaled_dot_product_attention") == \
+        "no such kernel for these inputs here"
+    assert gpu.failure_cell("not run: " + "x" * 100) == "not run: " + "x" * 68 + "..."
+    assert gpu.failure_cell("the probe stopped: timed out after 2 s") == "the probe stopped: timed out after 2 s"
+    assert gpu.failure_cell("E" * 80) == "fails: " + "E" * 80
+    assert gpu.failure_cell("E" * 81) == "fails: " + "E" * 77 + "..."
+
+    def unknown(*args):
+        raise AttributeError("module 'torch' has no attribute '_fused_sdp_choice'")
+
+    monkeypatch.setattr(gpu, "picked_kernels", unknown)
+    assert gpu.default_kernel([("FLUX.1-dev", "update", 4, 24, 2537, 128, True)], True) == {}
+    row = gpu.kernel_lines(dict(kernels, picked={}), dict(peak_tflops=None, gpu=False))[-3]
+    assert row.endswith("| 2 ms, 500, diff 0.004 | not installed (flash_attn_interface) | not run |  |")   # no share
+
+
+def test_torch_is_asked_which_kernel_it_picks_with_each_passs_inputs(monkeypatch):
+    """bench/gpu.py's "torch picks" column asks torch's own selection with the pass's inputs: a query of the shape's
+    heads, tokens and head size that needs a gradient in the update, the model's mask where it passes one, under
+    vgrpo's default --attention."""
+    from torch.nn.attention import SDPBackend
+
+    import gpu
+    import vgrpo
+
+    asked, chosen = [], []
+    monkeypatch.setattr(vgrpo, "choose_attention_kernels", chosen.append)
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda q, k, v, mask: asked.append((
+        tuple(q.shape), q.requires_grad, None if mask is None else tuple(mask.shape))) or (
+        SDPBackend.FLASH_ATTENTION if mask is None else SDPBackend.EFFICIENT_ATTENTION).value)
+    shapes = [("SD3.5-M", "rollout", 24, 24, 1178, 64, False), ("FLUX.1-dev", "update", 4, 24, 2537, 128, True)]
+    assert gpu.picked_kernels(shapes, True) == {"SD3.5-M rollout": "flash", "FLUX.1-dev update": "efficient"}
+    assert asked == [((1, 24, 1178, 64), False, None), ((1, 24, 2537, 128), True, (1, 1, 1, 2537))]
+    assert chosen == [vgrpo.default_flags()["attention"]]
+
+
+def test_a_memory_merge_keeps_a_failure_over_a_rerun_that_never_reached_it(tmp_path):
+    """bench/memory.py --merge: a configuration no run measured keeps the first run's failure when the rerun never
+    reached it (out of time, or the device stopped answering); the memory outside torch is the first run's reading at
+    its start and the last run's at its end; the seconds are the runs' sum (unknown if one is)."""
+    import memory
+
+    names = ("sd3 LoRA r32", "flux LoRA r32")
+    failed = ["one process: RuntimeError: CUDA error: an illegal memory access was encountered",
+              "--fsdp over 8: not run, the device stopped answering"]
+    first = write_json(tmp_path / "first.json", dict(device="NVIDIA H200", torch="2.11", outside_torch=[1, 2],
+                       seconds=100.0, results={name: dict(notes=failed) for name in names}))
+    unreached = {"sd3 LoRA r32": ["one process: not run, the device stopped answering",
+                                  "--fsdp over 8: not run, the device stopped answering"],
+                 "flux LoRA r32": ["one process: not run, --time-limit 90 s reached",
+                                   "--fsdp over 8: not run, --time-limit 90 s reached"]}
+    rerun = write_json(tmp_path / "rerun.json", dict(device="NVIDIA H200", torch="2.11", outside_torch=[3, 4],
+                       seconds=50.0, results={name: dict(notes=notes) for name, notes in unreached.items()}))
+    merged = memory.merge_gpu_runs([first, rerun])
+    assert {name: merged["results"][name]["notes"] for name in names} == {name: failed for name in names}
+    assert merged["outside_torch"] == [1, 4] and merged["seconds"] == 150.0
+    rerun_failed = {name: dict(notes=["one process: torch.OutOfMemoryError: CUDA out of memory"]) for name in names}
+    write_json(tmp_path / "rerun.json", dict(device="NVIDIA H200", torch="2.11", outside_torch=[3, 4], seconds=None,
+               results=rerun_failed))
+    merged = memory.merge_gpu_runs([first, rerun])   # a rerun that failed otherwise says more: its note replaces
+    assert merged["results"]["sd3 LoRA r32"]["notes"] == [
+        "one process: torch.OutOfMemoryError: CUDA out of memory", "--fsdp over 8: not run, the device stopped "
+        "answering"] and merged["seconds"] is None

@@ -1378,6 +1378,31 @@ def test_the_smoke_runs_verdict_fails_each_kind_of_bad_result():
     assert smoke.held_out_number(dict(digits, held_out=None)) is None
 
 
+
+@pytest.mark.parametrize("shift", [0.0, 1e-3, -0.02])
+def test_the_smoke_runs_ratio_check_reads_a_difference_between_the_old_pass_and_the_updates_first_forward(
+        tmp_path, monkeypatch, shift):
+    """bench/smoke.py's first_step_check records |exp(s_update - s_old) - 1| at the update's first micro-batch: 0 when
+    the old-surrogate pass and the update see one numerics, |exp(-shift) - 1| when the old pass reads `shift` more
+    (a check that compared a pass with itself would read 0 whatever happened)."""
+    import smoke
+    import vgrpo
+    from test_vgrpo import FAST
+
+    args = vgrpo.parse_args([*FAST, "--inner-steps", "2", "--micro-batch", "2", "--output-dir", str(tmp_path)])
+    vgrpo.validate(args, 1)
+    run, start = vgrpo.start_run(args)
+    real_old_surrogate, record = vgrpo.old_surrogate, {}
+
+    def shifted_old_surrogate(*args, **kwargs):
+        s_old, x0_ref = real_old_surrogate(*args, **kwargs)
+        return s_old + shift, x0_ref
+
+    monkeypatch.setattr(vgrpo, "old_surrogate", shifted_old_surrogate)
+    monkeypatch.setattr(vgrpo, "update", smoke.first_step_check(vgrpo.update, record))
+    vgrpo.train_iteration(run, start)
+    assert record["ratio"] == pytest.approx(abs(math.exp(-shift) - 1), rel=1e-3, abs=0)
+
 def write_json(path, data):
     path.write_text(json.dumps(data))
     return str(path)

@@ -56,9 +56,10 @@ What it relies on (torch internals, checked against torch 2.13; a change breaks 
 What it cannot see: numerics (fake tensors hold no values: no NaN / Inf path, no overflow, no loss-scale change, no
 value to test), real pixels and rewards of real images (the host sees dummy values), the branch a real value would
 take (`.item()` always answers the same), kernels and their speed, streams and asynchrony (a non_blocking copy is
-counted like any other; one from pageable memory is counted apart, `h2d_pageable_non_blocking`), NCCL and what
-other processes send (fake_processes runs rank 0 alone: collectives move nothing, object collectives fail), the
-caching allocator, CUDA generators, and anything saved with torch.save from a fake tensor.
+counted like any other; one from pageable memory is counted apart, `h2d_pageable_non_blocking`), NCCL beyond its
+rule that collectives move CUDA tensors only (which fake_processes keeps), what other processes send (fake_processes
+runs rank 0 alone: collectives move nothing, object collectives fail), the caching allocator, CUDA generators, and
+anything saved with torch.save from a fake tensor.
 """
 
 from __future__ import annotations
@@ -578,7 +579,11 @@ def fake_processes(world):
 
     fully_shard is wrapped: FSDP2 moves a CPU block's weights to the GPU by assigning .data (a fake tensor into a
     real Parameter, which the fake mode cannot represent), so the wrapper first moves each CPU module's own weights
-    the way Module.to does (torch swaps in new Parameters), one block at a time as FSDP2 would, then calls it."""
+    the way Module.to does (torch swaps in new Parameters), one block at a time as FSDP2 would, then calls it.
+
+    The tensor collectives keep NCCL's rule: NCCL, the backend of GPU processes, moves CUDA tensors only (a CPU
+    tensor there raises), while the fake backend, like gloo in the CPU tests, takes any: a CPU tensor in one raises
+    DeviceMixError here, naming the collective and its caller."""
     import torch.distributed as dist
     import torch.distributed._tools.fake_collectives  # noqa: F401 - registers the collectives' fake kernels
     import torch.distributed.fsdp as fsdp
@@ -598,10 +603,29 @@ def fake_processes(world):
                 m._apply(lambda t: t if isinstance(t, DTensor) or t.is_cuda else t.to(cuda), recurse=False)
         return shard(module, *args, **kwargs)
 
+    def cuda_tensors_only(name):
+        real = getattr(dist, name)
+
+        def collective(*args, **kwargs):
+            given = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])]
+            on_cpu = [tuple(t.shape) for t in given if isinstance(t, torch.Tensor) and t.device.type != "cuda"]
+            if on_cpu:
+                raise DeviceMixError(f"dist.{name} of CPU tensor(s) of shape {on_cpu}, which NCCL cannot move, "
+                                     f"from {caller()}")
+            return real(*args, **kwargs)
+
+        return collective
+
+    collectives = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+                   "reduce", "gather", "scatter", "all_to_all_single")
     saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
     try:
-        with _patched(dist, "init_process_group", init_fake), _patched(fsdp, "fully_shard", fully_shard):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_patched(dist, "init_process_group", init_fake))
+            stack.enter_context(_patched(fsdp, "fully_shard", fully_shard))
+            for name in collectives:
+                stack.enter_context(_patched(dist, name, cuda_tensors_only(name)))
             yield
     finally:
         if dist.is_initialized():

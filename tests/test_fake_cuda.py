@@ -115,6 +115,16 @@ def test_fsdp_on_fake_cuda_shards_every_trained_weight_on_the_gpu_as_rank_0_of_8
     assert got["gathered_devices"] == ["cpu"] and got["gather_d2h"] == got["n_gathered"]
 
 
+
+def test_a_collective_of_a_cpu_tensor_fails_as_under_nccl(worker):
+    """The fake processes keep NCCL's rule (the FSDP test above runs under it): a CPU tensor in a collective, which
+    the CPU tests' gloo moves and a GPU's NCCL refuses, fails naming the collective and vgrpo's line; the same
+    statistics on the GPU pass."""
+    got = call(worker, "reduced_on", devices=["cpu", "cuda"])
+    assert got["cpu"].startswith("DeviceMixError: dist.all_reduce of CPU tensor(s) of shape [(2,)], which NCCL "
+                                 "cannot move, from vgrpo.py:")
+    assert got["cuda"] == "reduced"
+
 def test_the_evaluation_runs_on_fake_cuda(worker, tmp_path):
     eval_file = tmp_path / "eval.jsonl"
     eval_file.write_text("".join(json.dumps({"prompt": p, "tag": t}) + "\n" for p, t in
@@ -395,6 +405,25 @@ def _attention_kernels():
     return sorted(name for name, on in (("flash", b.flash_sdp_enabled()), ("efficient", b.mem_efficient_sdp_enabled()),
                                         ("cudnn", b.cudnn_sdp_enabled()), ("math", b.math_sdp_enabled())) if on)
 
+
+
+def reduced_on(devices):
+    """vgrpo.reduce_stats over 8 fake processes with its tensors on each device -> "reduced" or the error."""
+    import torch
+
+    import vgrpo
+    from tests.fake_cuda import FakeCuda, fake_processes
+
+    got = {}
+    with fake_processes(8), FakeCuda(strict=True):
+        torch.distributed.init_process_group("nccl")
+        for device in devices:
+            try:
+                vgrpo.reduce_stats({"policy_loss": 0.5, "ratio_max": 1.0}, 8, torch.device(device))
+                got[device] = "reduced"
+            except Exception as e:  # noqa: BLE001
+                got[device] = f"{type(e).__name__}: {e}"
+    return got
 
 def sharded_iteration(flags, output_dir, world):
     """One iteration of rank 0 of `world` processes under --fsdp, then the weights a checkpoint gathers."""

@@ -1,9 +1,9 @@
 """The fake-CUDA tier: vgrpo's --device cuda paths run on a CPU-only torch with fake CUDA tensors (tests/fake_cuda.py:
 what it relies on and what it cannot see). A whole iteration (start_run, train_iteration, iteration_metrics,
-record) per configuration, --fsdp as rank 0 of 8 processes, the evaluation and the checkpoint, in strict mode: any
-op that mixes a non-scalar CPU tensor with a CUDA one fails the test with the op and its call site. And the
-iteration's device-to-host synchronisations and host-to-device copies, which must not grow with the micro-batches
-or the ODE steps.
+record) per configuration, --fsdp as rank 0 of 8 processes, the evaluation (alone and as rank 0 of 8) and the
+checkpoint, in strict mode: any op that mixes a non-scalar CPU tensor with a CUDA one, and any collective of a CPU
+tensor (NCCL's rule), fails the test with the op and its call site. And the iteration's device-to-host
+synchronisations and host-to-device copies, which must not grow with the micro-batches or the ODE steps.
 
     python -m pytest -q -m fake_cuda      # about 2 min on 2 CPU cores (20-30 s of it building the library once);
                                           # skips with one line if it cannot be built (no C++ compiler, a CUDA torch)
@@ -125,6 +125,7 @@ def test_a_collective_of_a_cpu_tensor_fails_as_under_nccl(worker):
                                  "cannot move, from vgrpo.py:")
     assert got["cuda"] == "reduced"
 
+
 def test_the_evaluation_runs_on_fake_cuda(worker, tmp_path):
     eval_file = tmp_path / "eval.jsonl"
     eval_file.write_text("".join(json.dumps({"prompt": p, "tag": t}) + "\n" for p, t in
@@ -136,6 +137,20 @@ def test_the_evaluation_runs_on_fake_cuda(worker, tmp_path):
     assert got["attention"] == ["efficient", "math"]
     assert got["eval"]["iteration"] == 0 and set(got["eval"]) >= {"eval_jpeg", "eval_jpeg/colour", "eval_jpeg/count"}
     assert got["eval_images"] == 6
+
+
+def test_the_evaluation_of_rank_0_of_8_under_fsdp_runs_on_fake_cuda(worker, tmp_path):
+    """The held-out evaluation under --fsdp as rank 0 of 8: its share of the prompts, its sums reduced over the
+    ranks on the GPU (NCCL's rule), no CPU tensor mixed with a CUDA one."""
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps({"prompt": f"a photo of {n} cats", "tag": "count"}) + "\n"
+                                 for n in ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine")))
+    flags = [*FSDP_CONFIGS["sd3-lora-bf16"], "--eval-prompts", str(eval_file), "--eval-every", "1",
+             "--eval-images", "2"]
+    got = call(worker, "evaluation", flags=flags, output_dir=str(tmp_path / "out"), world=8)
+    assert got["mixes"] == []
+    assert got["eval"]["iteration"] == 0 and {"eval_pickscore", "eval_pickscore/count"} <= set(got["eval"])
+    assert got["eval_images"] == 2 * 2   # rank 0's prompts of 9 over 8 ranks (the first two), 2 images each
 
 
 def test_the_checkpoint_gathers_the_trained_weights_to_the_host(worker, tmp_path):
@@ -425,10 +440,12 @@ def reduced_on(devices):
                 got[device] = f"{type(e).__name__}: {e}"
     return got
 
-def sharded_iteration(flags, output_dir, world):
-    """One iteration of rank 0 of `world` processes under --fsdp, then the weights a checkpoint gathers."""
+
+@contextlib.contextmanager
+def _rank_0_of(world):
+    """fake_processes(world), with the two verdicts that compare ranks' values answered by rank 0's own."""
     import vgrpo
-    from tests.fake_cuda import FakeCuda, fake_processes
+    from tests.fake_cuda import fake_processes
 
     real = vgrpo.check_ranks_agree, vgrpo.any_rank
 
@@ -446,35 +463,45 @@ def sharded_iteration(flags, output_dir, world):
 
     vgrpo.check_ranks_agree, vgrpo.any_rank = check_ranks_agree, any_rank
     try:
-        with fake_processes(world), FakeCuda(strict=True) as gpu:
-            run, start = _start(flags, output_dir, world)
-            with _counting_old_surrogate_rows() as old_rows:
-                stats, images, prompts, r, A = vgrpo.train_iteration(run, start)
-            m = vgrpo.iteration_metrics(run, start, stats, r, A)
-            names = [n for n, p in run.family.transformer.named_parameters() if p.requires_grad]
-            gpu.reset_counts()
-            weights = vgrpo.trained_weights(run)
-            states = [t for s in run.optimizer.state.values() for t in s.values() if t.dim() > 0]
-            return {"mixes": gpu.mixes, "metrics": m, "skipped_steps": stats["skipped_steps"],
-                    "fused": run.optimizer.defaults.get("fused"),
-                    "param_types": sorted({type(p).__name__ for p in run.params}),
-                    "local_devices": _device_types(p.to_local() for p in run.params),
-                    "optimizer_devices": _device_types(t.to_local() for t in states),
-                    "global_shapes": [(tuple(p.shape), p.numel()) for p in run.params],
-                    "local_numel": sum(p.to_local().numel() for p in run.params),
-                    "old_pass_rows": sum(old_rows), "gather_d2h": gpu.counts["d2h_sync"],
-                    "gathered": [list(weights[n].shape) if n in weights else None for n in names],
-                    "n_gathered": len(weights), "gathered_devices": _device_types(weights.values())}
+        with fake_processes(world):
+            yield
     finally:
         vgrpo.check_ranks_agree, vgrpo.any_rank = real
 
 
-def evaluation(flags, output_dir):
+def sharded_iteration(flags, output_dir, world):
+    """One iteration of rank 0 of `world` processes under --fsdp, then the weights a checkpoint gathers."""
     import vgrpo
     from tests.fake_cuda import FakeCuda
 
-    with FakeCuda(strict=True) as gpu:
-        run, _ = _start(flags, output_dir)
+    with _rank_0_of(world), FakeCuda(strict=True) as gpu:
+        run, start = _start(flags, output_dir, world)
+        with _counting_old_surrogate_rows() as old_rows:
+            stats, images, prompts, r, A = vgrpo.train_iteration(run, start)
+        m = vgrpo.iteration_metrics(run, start, stats, r, A)
+        names = [n for n, p in run.family.transformer.named_parameters() if p.requires_grad]
+        gpu.reset_counts()
+        weights = vgrpo.trained_weights(run)
+        states = [t for s in run.optimizer.state.values() for t in s.values() if t.dim() > 0]
+        return {"mixes": gpu.mixes, "metrics": m, "skipped_steps": stats["skipped_steps"],
+                "fused": run.optimizer.defaults.get("fused"),
+                "param_types": sorted({type(p).__name__ for p in run.params}),
+                "local_devices": _device_types(p.to_local() for p in run.params),
+                "optimizer_devices": _device_types(t.to_local() for t in states),
+                "global_shapes": [(tuple(p.shape), p.numel()) for p in run.params],
+                "local_numel": sum(p.to_local().numel() for p in run.params),
+                "old_pass_rows": sum(old_rows), "gather_d2h": gpu.counts["d2h_sync"],
+                "gathered": [list(weights[n].shape) if n in weights else None for n in names],
+                "n_gathered": len(weights), "gathered_devices": _device_types(weights.values())}
+
+
+def evaluation(flags, output_dir, world=1):
+    """The held-out evaluation of one process, or of rank 0 of `world` under --fsdp (its sums reduced over ranks)."""
+    import vgrpo
+    from tests.fake_cuda import FakeCuda
+
+    with _rank_0_of(world) if world > 1 else contextlib.nullcontext(), FakeCuda(strict=True) as gpu:
+        run, _ = _start(flags, output_dir, world)
         m, images, prompts, r = vgrpo.evaluate(run, 0)
         return {"mixes": gpu.mixes, "eval": m, "eval_images": len(images), "attention": _attention_kernels()}
 

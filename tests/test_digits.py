@@ -4,6 +4,7 @@ without T5, prompt lengths that follow the model, user rewards returning lists o
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,9 @@ def test_digit_ink_is_the_mean_ink_of_each_cell_of_a_16x16_grid():
     want = ink.reshape(2, 16, 2, 16, 2).mean((2, 4))                 # 2x2 blocks of pixels per cell
     np.testing.assert_allclose(reward.digit_ink(images).numpy()[:, 0], want, atol=1e-6)
     np.testing.assert_allclose(reward.digit_ink(images[..., :16, :16]).numpy()[:, 0], ink[:, :16, :16], atol=1e-6)
+    outside = digit_images(2) * 3 - 1                               # a decoder's values beyond [0, 1], clipped
+    np.testing.assert_allclose(reward.digit_ink(outside).numpy()[:, 0],
+                               1 - (np.round(np.clip(outside.numpy(), 0, 1) * 255) / 255).mean(1), atol=1e-6)
 
 
 def test_the_judges_match_their_formulas_on_the_committed_weights():
@@ -116,31 +120,50 @@ def test_the_judges_read_the_held_out_uci_digits():
 
 @pytest.mark.parametrize("prompt,metadata,digit", [
     ("a handwritten digit seven", None, 7), ("the number 3", None, 3), ("Nine, written by hand", None, 9),
-    ("a drawing of a zero", None, 0), ("anything", {"digit": 4}, 4), ("the digit one", {"tag": "one"}, 1)])
+    ("a drawing of a zero", None, 0), ("anything", {"digit": 4}, 4), ("the digit one", {"tag": "one"}, 1),
+    ("a seven", {"digit": 0}, 0), ("a seven", {"digit": 9}, 9)])
 def test_the_prompted_digit_comes_from_the_metadata_or_the_prompt(prompt, metadata, digit):
     assert reward.prompted_digit(prompt, metadata) == digit
 
 
-@pytest.mark.parametrize("prompt", ["a cat", "seven or eight", "the numbers 1 and 2", "someone"])
-def test_a_prompt_naming_no_single_digit_is_one_line(prompt):
-    with pytest.raises(reward.RewardError, match="names (no digit|several digits)"):
+@pytest.mark.parametrize("prompt,names", [("a cat", "no digit"), ("seven or eight", "several digits"),
+                                          ("the numbers 1 and 2", "several digits"), ("someone", "no digit")])
+def test_a_prompt_naming_no_single_digit_is_one_line(prompt, names):
+    with pytest.raises(reward.RewardError, match=f"prompt '{prompt}' names {names}; " + re.escape(
+            'name one ("seven" or "7") or give it as {"digit": 7} in a .jsonl prompt file')):
         reward.prompted_digit(prompt)
 
 
+@pytest.mark.parametrize("digit", [10, -1, "7", 7.0, True])
+def test_a_metadata_digit_outside_0_to_9_is_one_line(digit):
+    with pytest.raises(reward.RewardError, match=re.escape(f'prompt \'a seven\' gives "digit": {digit!r}, not 0-9')):
+        reward.prompted_digit("a seven", {"digit": digit})
+
+
 def test_the_three_digit_rewards():
+    """digit: the CNN's probability of the prompted digit; digit_correct: 1 where the CNN's most probable class is that
+    digit; digit_knn: 1 where the k-NN's vote is. On held-out UCI digits, the 12 on which the CNN and the k-NN
+    disagree among them; a prompt file's metadata names the digit over the prompt's words."""
+    pytest.importorskip("sklearn")
+    sys.path.insert(0, DIGITS)
+    import pretrain
+
+    _, _, images, labels = pretrain.load_split(0, 0.2)
     judge = reward.DigitJudge.load()
-    images = digit_images(6, seed=2)
-    prompts = [f"the number {w}" for w in ("zero", "one", "two", "three", "four", "five")]
-    p = judge.probabilities(images)[:, :10]
-    wanted = torch.arange(6)
+    disagree = judge.predict(images) != judge.knn_predict(images)
+    pick = torch.cat([disagree.nonzero().flatten(), (~disagree).nonzero().flatten()[:12]])
+    images, labels = images[pick], labels[pick]
+    p, cnn, knn = judge.probabilities(images), judge.predict(images), judge.knn_predict(images)
+    assert (cnn != knn).sum() >= 10
+    rows = torch.arange(len(pick))
+    prompts = [f"the number {reward.DIGIT_WORDS[d]}" for d in labels.tolist()]
     fn = reward.load_reward("digit:1,digit_correct:1,digit_knn:1")
-    fn(images, prompts)
-    torch.testing.assert_close(fn.last_parts["digit"], p[torch.arange(6), wanted])
-    assert torch.equal(fn.last_parts["digit_correct"], (p.argmax(1) == wanted).float())
-    assert torch.equal(fn.last_parts["digit_knn"], (judge.knn_predict(images) == wanted).float())
-    meta = [{"digit": 9}] * 6                                        # the metadata wins over the prompt's words
-    torch.testing.assert_close(fn(images, prompts, meta) - fn.last_parts["digit_knn"] - fn.last_parts["digit_correct"],
-                               p[:, 9])
+    for wanted, metadata in ((labels, None), ((labels + 1) % 10, [{"digit": d} for d in ((labels + 1) % 10).tolist()])):
+        fn(images, prompts, metadata)
+        torch.testing.assert_close(fn.last_parts["digit"], p[rows, wanted])
+        assert torch.equal(fn.last_parts["digit_correct"], (cnn == wanted).float())
+        assert torch.equal(fn.last_parts["digit_knn"], (knn == wanted).float())
+    assert fn.last_parts["digit"].max() < 0.5 < p[rows, labels].mean()   # the metadata's digits are the wrong ones
 
 
 def test_the_digit_reward_ranks_a_real_digit_of_the_prompted_class_first():

@@ -62,10 +62,16 @@ def test_the_spec_names_url_model_and_options():
         "model": "CodeGoat24/UnifiedReward-qwen-7b", "max_tokens": 64})
     assert reward.parse_reward_spec("unifiedreward@http://h:8000") == [("unifiedreward@http://h:8000", 1.0)]
     assert reward.metric_name(spec) == "unifiedreward"
+    # a proxy's credentials before the host, and TLS
+    assert reward.parse_unifiedreward_spec("unifiedreward@https://user:token@judge.internal/v1?timeout=30") == (
+        "https://user:token@judge.internal/v1", {"timeout": 30.0})
     for bad, why in (("unifiedreward@h:8000/v1", "expected unifiedreward@http"),
+                     ("unifiedreward@ftp://h/v1", "expected unifiedreward@http(s)://host:port/v1[?model=ID]"),
                      ("unifiedreward@http://h:8000:0.5", "the port is not a number"),
-                     ("unifiedreward@http://h/v1?modle=x", "unknown option 'modle'"),
-                     ("unifiedreward@http://h/v1?concurrency=many", "is not a int")):
+                     ("unifiedreward@http://h/v1?modle=x", "unknown option 'modle'; valid: model, instruction, "
+                                                           "max_tokens, concurrency, timeout, retries"),
+                     ("unifiedreward@http://h/v1?concurrency=many", "is not a int"),
+                     ("unifiedreward@http://h/v1?max_tokens=", "max_tokens='' is not a int")):   # not left out
         with pytest.raises(ValueError, match=re.escape(why)):
             reward.parse_reward_spec(bad)
 

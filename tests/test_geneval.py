@@ -210,6 +210,15 @@ def test_detector_input_fits_1333_by_800_without_antialiasing_and_pads_to_32():
     mean, std = torch.tensor([123.675, 116.28, 103.53]), torch.tensor([58.395, 57.12, 57.375])
     assert torch.allclose(x[0, :, :1333], (by_hand[0] - mean[:, None, None]) / std[:, None, None], atol=1e-4)
     assert reward.detector_input(torch.rand(1, 3, 512, 512))[1] == (800, 800)
+    wide = torch.rand(1, 3, 100, 400, generator=torch.Generator().manual_seed(0)) * 3 - 1   # beyond [0, 1] too
+    x, size = reward.detector_input(wide)
+    factor = min(1333 / 400, 800 / 100)                               # the long side binds: 3.3325
+    assert size == (int(100 * factor + 0.5), int(400 * factor + 0.5)) == (333, 1333)
+    assert x.shape == (1, 3, 352, 1344) and (x[..., 333:, :] == 0).all() and (x[..., 1333:] == 0).all()
+    assert torch.equal(x, reward.detector_input(wide.clamp(0, 1))[0])   # a decoder's values, clipped
+    black, white = (0 - mean) / std, (255 - mean) / std               # clipped ones stay black and white
+    assert torch.allclose(x[0, :, :333, :1333].amin((1, 2)), black) and torch.allclose(x[0, :, :333, :1333].amax(
+        (1, 2)), white)
 
 
 def test_mask2former_post_processing_by_hand():
@@ -243,6 +252,27 @@ def test_first_and_last_true_of_each_row():
 def test_an_empty_mask_has_a_zero_box_and_score():
     dets = reward.mask2former_detections(torch.tensor([[5.0, 0.0]]), torch.full((1, 2, 2), -5.0), (8, 8), (8, 8))
     assert dets[0][1] == 0.0 and dets[0][2] == (0, 0, 0, 0)
+
+
+def test_mask2former_post_processing_of_non_square_masks_beside_empty_ones():
+    """3 queries, masks of 2 x 4 (a wide padded input, 8 x 16; the resized image its top-left 6 x 14, the image 3 x
+    7): a mask, one of logits exactly 0 (empty: the threshold is strict) and one all negative (empty), each box
+    from its own mask; and the top 100 of more (query, class) pairs."""
+    class_logits = torch.tensor([[3.0, 0.0, 0.0], [0.0, 2.0, 0.0], [1.0, 0.0, 0.0]])
+    mask_logits = torch.stack([torch.tensor([[-4.0, 4.0, 4.0, -4.0], [-4.0, -4.0, 4.0, -4.0]]),
+                               torch.zeros(2, 4), torch.full((2, 4), -4.0)])
+    dets = reward.mask2former_detections(class_logits, mask_logits, (6, 14), (3, 7), top_k=3)
+    assert [d[0] for d in dets] == [0, 1, 0]                          # queries 0, 1, 2 by probability
+    up = torch.nn.functional.interpolate(mask_logits[:1, None], size=(8, 16), mode="bilinear",
+                                         align_corners=False)[:, :, :6, :14]
+    binary = torch.nn.functional.interpolate(up, size=(3, 7), mode="bilinear", align_corners=False)[0, 0] > 0
+    assert torch.equal(dets[0][3], binary) and binary.any() and not binary.all()
+    rows, cols = binary.any(1).nonzero().flatten(), binary.any(0).nonzero().flatten()
+    assert dets[0][2] == (cols.min().item(), rows.min().item(), cols.max().item() + 1, rows.max().item() + 1)
+    for label, score, box, mask in dets[1:]:
+        assert not mask.any() and box == (0, 0, 0, 0) and score == 0.0
+    many = reward.mask2former_detections(torch.randn(30, 5), torch.randn(30, 2, 2), (8, 8), (8, 8))
+    assert len(many) == 100                                           # of 30 queries x 4 classes
 
 
 # --------------------------------------------------------------------------- the judge from the stand-in cache
@@ -308,6 +338,9 @@ def test_the_colour_crops_centre_offset_rounds_to_nearest_as_torchvisions_center
         left = int(round((width - 224) / 2.0))
         assert torch.equal(reward.clip_pixel_values(x, processor, round_crop_offset=True),
                            reward.clip_pixel_values(x[..., left:left + 224], uncropped))
+        top = left                                                    # and from the top of a tall box
+        assert torch.equal(reward.clip_pixel_values(x.transpose(-1, -2), processor, round_crop_offset=True),
+                           reward.clip_pixel_values(x.transpose(-1, -2)[..., top:top + 224, :], uncropped))
 
 
 def test_geneval_partial_jpeg_judges_the_quality_75_jpeg_of_each_image(judge):

@@ -609,6 +609,39 @@ def test_clip_pixel_values_match_the_processor(h, w, resample, max_share):
             assert levels.max() < 1e-3
 
 
+
+def test_clip_pixel_values_clip_to_the_saved_pictures_range_before_and_after_each_resize():
+    """What a saved picture shows: a decoder's values beyond [0, 1] are its 0 and 255, and a resize that overshoots
+    at a hard edge (bicubic's negative lobes) is clipped to [0, 255] after each pass, as PIL does: black stays
+    exactly black, nothing is whiter than white. Half black, half white, enlarged to 224."""
+    from transformers import CLIPImageProcessor
+
+    processor = CLIPImageProcessor()
+    half = torch.zeros(1, 3, 100, 100)
+    half[..., 50:] = 1.0
+    got = reward.clip_pixel_values(half, processor)
+    assert torch.equal(reward.clip_pixel_values(half * 3 - 1, processor), got)
+    mean, std = (torch.tensor(v).view(3, 1) for v in (processor.image_mean, processor.image_std))
+    black, white = (0 - mean) / std, (1 - mean) / std
+    assert torch.allclose(got[0, :, :, :50].flatten(1).min(1).values[:, None], black, atol=1e-6)   # the black half
+    assert (got[0].flatten(1) >= black - 1e-6).all() and (got[0].flatten(1) <= white + 1e-6).all()
+    assert (got[0].flatten(1) <= white - 0.1).any() and torch.allclose(got[0].flatten(1).max(1).values[:, None], white)
+
+
+def test_clip_pixel_values_resize_to_a_fixed_size_and_refuse_a_crop_larger_than_the_picture():
+    """A processor whose size is a height and a width (no shortest edge) resizes to exactly that, as it does; a
+    centre crop larger than the resized picture in either dimension is one line."""
+    from transformers import CLIPImageProcessor
+
+    processor = CLIPImageProcessor(size={"height": 120, "width": 90}, do_center_crop=False)
+    images = _smooth_images(2, 200, 160, 3)
+    got, want = reward.clip_pixel_values(images, processor), _processor_pixels(processor, images)
+    assert got.shape == want.shape == (2, 3, 120, 90)
+    assert ((got - want).abs() * torch.tensor(processor.image_std).view(3, 1, 1) * 255).max() <= 2 + 1e-3
+    wide_crop = CLIPImageProcessor(crop_size={"height": 224, "width": 300})
+    with pytest.raises(reward.RewardError, match=r"^crop 224x300 is larger than the resized image 224x224$"):
+        reward.clip_pixel_values(_images(1, side=64), wide_crop)
+
 def test_clip_pixel_values_stay_on_the_device():
     """Meta tensors have no data: any step through PIL, numpy, .cpu() or .item() raises, so passing here means
     the images never leave their device (a GPU in training)."""

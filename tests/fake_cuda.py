@@ -581,9 +581,10 @@ def fake_processes(world):
     real Parameter, which the fake mode cannot represent), so the wrapper first moves each CPU module's own weights
     the way Module.to does (torch swaps in new Parameters), one block at a time as FSDP2 would, then calls it.
 
-    The tensor collectives keep NCCL's rule: NCCL, the backend of GPU processes, moves CUDA tensors only (a CPU
-    tensor there raises), while the fake backend, like gloo in the CPU tests, takes any: a CPU tensor in one raises
-    DeviceMixError here, naming the collective and its caller."""
+    The tensor collectives named in `collectives` (those vgrpo and FSDP2 call, and their kin) keep NCCL's rule: NCCL,
+    the backend of GPU processes, moves CUDA tensors only (a CPU tensor there raises), while the fake backend, like
+    gloo in the CPU tests, takes any: a CPU tensor in one raises DeviceMixError here, naming the collective and its
+    caller."""
     import torch.distributed as dist
     import torch.distributed._tools.fake_collectives  # noqa: F401 - registers the collectives' fake kernels
     import torch.distributed.fsdp as fsdp

@@ -1378,7 +1378,6 @@ def test_the_smoke_runs_verdict_fails_each_kind_of_bad_result():
     assert smoke.held_out_number(dict(digits, held_out=None)) is None
 
 
-
 @pytest.mark.parametrize("shift", [0.0, 1e-3, -0.02])
 def test_the_smoke_runs_ratio_check_reads_a_difference_between_the_old_pass_and_the_updates_first_forward(
         tmp_path, monkeypatch, shift):
@@ -1402,6 +1401,7 @@ def test_the_smoke_runs_ratio_check_reads_a_difference_between_the_old_pass_and_
     monkeypatch.setattr(vgrpo, "update", smoke.first_step_check(vgrpo.update, record))
     vgrpo.train_iteration(run, start)
     assert record["ratio"] == pytest.approx(abs(math.exp(-shift) - 1), rel=1e-3, abs=0)
+
 
 def write_json(path, data):
     path.write_text(json.dumps(data))
@@ -1457,7 +1457,8 @@ def test_the_gpu_benchs_iteration_split_is_the_recipes_per_gpu_share():
     split = gpu.iteration_split(made_up_gpu_result("FLUX.1-dev", partial), 8, partial)
     assert split["decode"] is None and split["unmeasured"] == ["decode"]
     assert split["total"] == pytest.approx(sum(expected.values()) - expected["decode"])
-    assert gpu.iteration_split(made_up_gpu_result("FLUX.1-dev", {"rollout": phases["rollout"]}), 8, {}) is None
+    only_rollout = {"rollout": phases["rollout"]}
+    assert gpu.iteration_split(made_up_gpu_result("FLUX.1-dev", only_rollout), 8, only_rollout) is None
 
 
 def test_the_gpu_benchs_targets_judge_the_better_of_eager_and_compiled():
@@ -1535,7 +1536,8 @@ def test_the_kernel_table_gives_each_kernels_share_of_peak_and_short_failures(mo
 
     monkeypatch.setattr(gpu, "picked_kernels", unknown)
     assert gpu.default_kernel([("FLUX.1-dev", "update", 4, 24, 2537, 128, True)], True) == {}
-    row = gpu.kernel_lines(dict(kernels, picked={}), dict(peak_tflops=None, gpu=False))[-3]
+    row = [line for line in gpu.kernel_lines(dict(kernels, picked={}), dict(peak_tflops=None, gpu=False))
+           if "2537" in line][0]
     assert row.endswith("| 2 ms, 500, diff 0.004 | not installed (flash_attn_interface) | not run |  |")   # no share
 
 

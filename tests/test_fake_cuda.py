@@ -115,7 +115,6 @@ def test_fsdp_on_fake_cuda_shards_every_trained_weight_on_the_gpu_as_rank_0_of_8
     assert got["gathered_devices"] == ["cpu"] and got["gather_d2h"] == got["n_gathered"]
 
 
-
 def test_a_collective_of_a_cpu_tensor_fails_as_under_nccl(worker):
     """The fake processes keep NCCL's rule (the FSDP test above runs under it): a CPU tensor in a collective, which
     the CPU tests' gloo moves and a GPU's NCCL refuses, fails naming the collective and vgrpo's line; the same
@@ -150,7 +149,7 @@ def test_the_evaluation_of_rank_0_of_8_under_fsdp_runs_on_fake_cuda(worker, tmp_
     got = call(worker, "evaluation", flags=flags, output_dir=str(tmp_path / "out"), world=8)
     assert got["mixes"] == []
     assert got["eval"]["iteration"] == 0 and {"eval_pickscore", "eval_pickscore/count"} <= set(got["eval"])
-    assert got["eval_images"] == 2 * 2   # rank 0's prompts of 9 over 8 ranks (the first two), 2 images each
+    assert got["eval_prompts"] == ["a photo of one cats"] * 2 + ["a photo of nine cats"] * 2   # 0 and 8 of 9
 
 
 def test_the_checkpoint_gathers_the_trained_weights_to_the_host(worker, tmp_path):
@@ -421,7 +420,6 @@ def _attention_kernels():
                                         ("cudnn", b.cudnn_sdp_enabled()), ("math", b.math_sdp_enabled())) if on)
 
 
-
 def reduced_on(devices):
     """vgrpo.reduce_stats over 8 fake processes with its tensors on each device -> "reduced" or the error."""
     import torch
@@ -503,7 +501,8 @@ def evaluation(flags, output_dir, world=1):
     with _rank_0_of(world) if world > 1 else contextlib.nullcontext(), FakeCuda(strict=True) as gpu:
         run, _ = _start(flags, output_dir, world)
         m, images, prompts, r = vgrpo.evaluate(run, 0)
-        return {"mixes": gpu.mixes, "eval": m, "eval_images": len(images), "attention": _attention_kernels()}
+        return {"mixes": gpu.mixes, "eval": m, "eval_images": len(images), "eval_prompts": prompts,
+                "attention": _attention_kernels()}
 
 
 def checkpoint(flags, output_dir):

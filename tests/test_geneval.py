@@ -262,7 +262,7 @@ def test_mask2former_post_processing_of_non_square_masks_beside_empty_ones():
     mask_logits = torch.stack([torch.tensor([[-4.0, 4.0, 4.0, -4.0], [-4.0, -4.0, 4.0, -4.0]]),
                                torch.zeros(2, 4), torch.full((2, 4), -4.0)])
     dets = reward.mask2former_detections(class_logits, mask_logits, (6, 14), (3, 7), top_k=3)
-    assert [d[0] for d in dets] == [0, 1, 0]                          # queries 0, 1, 2 by probability
+    assert [d[0] for d in dets] == [0, 1, 0]                          # the labels of queries 0, 1, 2, in order
     up = torch.nn.functional.interpolate(mask_logits[:1, None], size=(8, 16), mode="bilinear",
                                          align_corners=False)[:, :, :6, :14]
     binary = torch.nn.functional.interpolate(up, size=(3, 7), mode="bilinear", align_corners=False)[0, 0] > 0
@@ -271,8 +271,11 @@ def test_mask2former_post_processing_of_non_square_masks_beside_empty_ones():
     assert dets[0][2] == (cols.min().item(), rows.min().item(), cols.max().item() + 1, rows.max().item() + 1)
     for label, score, box, mask in dets[1:]:
         assert not mask.any() and box == (0, 0, 0, 0) and score == 0.0
-    many = reward.mask2former_detections(torch.randn(30, 5), torch.randn(30, 2, 2), (8, 8), (8, 8))
-    assert len(many) == 100                                           # of 30 queries x 4 classes
+    g = torch.Generator().manual_seed(0)
+    class_logits = torch.randn(30, 5, generator=g)                    # 30 queries x 4 classes: the top 100 kept
+    many = reward.mask2former_detections(class_logits, torch.randn(30, 2, 2, generator=g), (8, 8), (8, 8))
+    top = class_logits.softmax(-1)[:, :-1].flatten().topk(100).indices
+    assert [d[0] for d in many] == (top % 4).tolist()
 
 
 # --------------------------------------------------------------------------- the judge from the stand-in cache

@@ -609,7 +609,6 @@ def test_clip_pixel_values_match_the_processor(h, w, resample, max_share):
             assert levels.max() < 1e-3
 
 
-
 def test_clip_pixel_values_clip_to_the_saved_pictures_range_before_and_after_each_resize():
     """What a saved picture shows: a decoder's values beyond [0, 1] are its 0 and 255, and a resize that overshoots
     at a hard edge (bicubic's negative lobes) is clipped to [0, 255] after each pass, as PIL does: black stays
@@ -625,7 +624,9 @@ def test_clip_pixel_values_clip_to_the_saved_pictures_range_before_and_after_eac
     black, white = (0 - mean) / std, (1 - mean) / std
     assert torch.allclose(got[0, :, :, :50].flatten(1).min(1).values[:, None], black, atol=1e-6)   # the black half
     assert (got[0].flatten(1) >= black - 1e-6).all() and (got[0].flatten(1) <= white + 1e-6).all()
-    assert (got[0].flatten(1) <= white - 0.1).any() and torch.allclose(got[0].flatten(1).max(1).values[:, None], white)
+    assert torch.allclose(got[0].flatten(1).max(1).values[:, None], white)
+    unclipped = torch.nn.functional.interpolate(half * 255, size=(100, 224), mode="bicubic", antialias=True)
+    assert unclipped.min() < -10 and unclipped.max() > 265                   # the overshoot this test is about
 
 
 def test_clip_pixel_values_resize_to_a_fixed_size_and_refuse_a_crop_larger_than_the_picture():
@@ -641,6 +642,7 @@ def test_clip_pixel_values_resize_to_a_fixed_size_and_refuse_a_crop_larger_than_
     wide_crop = CLIPImageProcessor(crop_size={"height": 224, "width": 300})
     with pytest.raises(reward.RewardError, match=r"^crop 224x300 is larger than the resized image 224x224$"):
         reward.clip_pixel_values(_images(1, side=64), wide_crop)
+
 
 def test_clip_pixel_values_stay_on_the_device():
     """Meta tensors have no data: any step through PIL, numpy, .cpu() or .item() raises, so passing here means

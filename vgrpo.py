@@ -1746,8 +1746,6 @@ def missing_compile_toolchain(device):
     """What torch.compile's CUDA kernels need and this machine lacks, or None: triton writes them for GPUs of compute
     capability 7.0 and newer, and builds each kernel's launcher with the C compiler it finds as $CC, gcc or clang,
     against Python's C headers (where triton looks for them)."""
-    import shutil
-    import sysconfig
     from torch.utils._triton import has_triton_package
 
     if not has_triton_package():
@@ -1757,11 +1755,19 @@ def missing_compile_toolchain(device):
         return f"a GPU of compute capability 7.0 or newer (this one: {major}.{minor})"
     if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
         return "a C compiler for triton (gcc or clang, or its path in $CC)"
-    scheme = sysconfig.get_default_scheme()
-    headers = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+    headers = python_headers()
     if not os.path.isfile(os.path.join(headers, "Python.h")):
         return f"Python's C headers for triton ({headers}/Python.h: the python3-dev package of this Python)"
     return None
+
+
+def python_headers():
+    """The folder where triton looks for Python.h: this Python's include folder (Debian's posix_local scheme is read
+    as posix_prefix, as triton does)."""
+    import sysconfig
+
+    scheme = sysconfig.get_default_scheme()
+    return sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
 
 
 def compiled_graphs():

@@ -50,9 +50,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DIFFUSERS_ATTN_BACKEND=native
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     # torch.compile on CUDA needs triton, a C compiler and Python's headers: a missing one makes every
     # configuration eager (--compile auto), so the compiled figures would be missing
-    python3 -c "import shutil, sysconfig, os, torch, diffusers, transformers, peft
-scheme = sysconfig.get_default_scheme()   # where triton looks for Python.h (Debian's posix_local read as posix_prefix)
-headers = sysconfig.get_paths(scheme='posix_prefix' if scheme == 'posix_local' else scheme)['include']
+    python3 -c "import shutil, os, torch, diffusers, transformers, peft, vgrpo
+headers = vgrpo.python_headers()   # where triton looks for Python.h
 try:
     import triton
     triton = triton.__version__

@@ -131,6 +131,33 @@ def test_zero_adv_groups_counts_the_groups_whose_advantages_are_all_zero_under_e
     assert vgrpo.iteration_metrics(run, 0, dict(stats), r, A)["zero_adv_groups"] == pytest.approx(1 / 3)
 
 
+
+def test_the_iteration_metrics_follow_their_formulas():
+    """One process's metrics of an iteration, each written out here: population standard deviations, the stage
+    (1-based) of a 2-stage curriculum, the transformer's and AdamW's bytes, the phases' total."""
+    import types
+    r = torch.tensor([1., 2, 4, 8, 3, 3, 3, 3])
+    A = torch.tensor([-1.5, -0.5, 0.25, 1.75, 0, 0, 0, 0])
+    model = torch.nn.Linear(3, 2)                                           # 8 float32 weights
+    adam = {"exp_avg": torch.zeros(5), "step": torch.tensor(1.0)}           # 6 more
+    stages = [types.SimpleNamespace(start=0, end=2), types.SimpleNamespace(start=2, end=9)]
+    run = types.SimpleNamespace(args=types.SimpleNamespace(group_size=4), world=1, device=torch.device("cpu"),
+                                stages=stages, family=types.SimpleNamespace(transformer=model, compiled=False),
+                                optimizer=types.SimpleNamespace(state={0: adam}))
+    stats = {"time_rollout": 1.0, "time_reward": 2.0, "time_old": 0.25, "time_update": 4.0, "policy_loss": 0.5,
+             "ratio_min": 0.75}
+    m = vgrpo.iteration_metrics(run, 2, dict(stats), r, A)
+    rn, An = r.double().numpy(), A.double().numpy()
+    expected = {**stats, "iteration": 3, "reward_mean": rn.mean(), "reward_std": rn.std(),
+                "reward_group_std": (rn[:4].std() + 0.0) / 2, "zero_adv_groups": 0.5, "flat_groups": 0.5,
+                "adv_mean": An.mean(), "adv_std": An.std(), "adv_abs_max": 1.75, "stage": 2,
+                "state_mb": 14 * 4 / 2**20, "time_total": 7.25}
+    assert m.keys() == expected.keys()
+    assert {k: pytest.approx(v, rel=1e-6) for k, v in expected.items()} == m
+    assert [vgrpo.iteration_metrics(run, it, dict(stats), r, A)["stage"] for it in (0, 1, 8)] == [1, 1, 2]
+    run.stages = stages[:1]                                                 # no curriculum: no stage
+    assert "stage" not in vgrpo.iteration_metrics(run, 2, dict(stats), r, A)
+
 def test_flat_groups_are_those_whose_std_is_within_a_thousandth_of_their_mean():
     groups = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.999, 1.0, 1.0, 1.0], [0.9, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0],
                            [-0.2, -0.2001, -0.2, -0.2], [0.0, 0.001, 0.0, 0.0]])
@@ -1097,6 +1124,106 @@ def test_resume_from_a_folder_without_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(vgrpo.UsageError, match=r"not a checkpoint directory \(no state.json\)"):
         vgrpo.validate(args, 1)
 
+
+
+def saved_state(directory, args, iteration, **changed):
+    """A checkpoint folder's state.json as save_checkpoint writes it, for `args` with some flags changed."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "state.json"), "w") as f:
+        json.dump({"iteration": iteration, "args": dataclasses.asdict(dataclasses.replace(args, **changed)),
+                   "world_size": 1}, f)
+    return str(directory)
+
+
+def test_a_resume_is_checked_against_the_checkpoints_iteration_configuration_and_ema(tmp_path):
+    args = vgrpo.parse_args([*FAST, "--iterations", "5", "--output-dir", str(tmp_path / "out")])  # LoRA r32, 32 px
+
+    def check(path, **flags):
+        vgrpo.check_resume_matches(dataclasses.replace(args, resume=path, **flags))
+
+    last = saved_state(tmp_path / "last", args, 5)
+    check(last)   # a finished run launched again: nothing left to train, not an error (a requeued job ends at once)
+    with pytest.raises(vgrpo.UsageError, match=r"^--resume \S+ is at iteration 6 and --iterations is 5: nothing to "
+                                               r"train; --iterations is the total, counted from the start$"):
+        check(saved_state(tmp_path / "past", args, 6))
+    with pytest.raises(vgrpo.UsageError, match=r"^--resume \S+ belongs to a different configuration: --lora-rank 8 "
+                                               r"there, 32 here; --resolution 64 there, 32 here$"):
+        check(saved_state(tmp_path / "other", args, 2, lora_rank=8, resolution=64))
+    # full fine-tuning trains no LoRA: the rank and alpha it saved are not compared
+    full = saved_state(tmp_path / "full", args, 2, full_finetune=True, lora_rank=8, lora_alpha=3.0)
+    check(full, full_finetune=True)
+    with pytest.raises(vgrpo.UsageError, match=r"configuration: --full-finetune True there, False here; --lora-rank"):
+        check(full)
+    with pytest.raises(vgrpo.UsageError, match=r"^--resume \S+: no ema/ in it \(saved without --ema\); resume "
+                                               r"without --ema$"):
+        check(last, ema=0.5)
+    os.makedirs(tmp_path / "last" / "ema")
+    check(last, ema=0.5)
+
+
+def test_checkpoints_are_complete_folders_in_numeric_order_and_keep_last_removes_the_oldest(tmp_path):
+    for name in ("checkpoint-10", "checkpoint-9", "checkpoint-100", "checkpoint-7", "checkpoint-200.tmp",
+                 "checkpoint-x", "run-3"):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "state.json").write_text("{}")
+    os.remove(tmp_path / "checkpoint-7" / "state.json")   # a folder whose save never finished
+    expected = [str(tmp_path / f"checkpoint-{n}") for n in (9, 10, 100)]   # 9 < 10 < 100, not as strings sort
+    assert vgrpo.complete_checkpoints(str(tmp_path)) == expected
+    assert vgrpo.latest_checkpoint(str(tmp_path)) == expected[-1]
+    assert vgrpo.latest_checkpoint(str(tmp_path / "nothing")) is None
+    everything = sorted(os.listdir(tmp_path))
+    vgrpo.prune_checkpoints(str(tmp_path), 0)   # --keep-last 0: all kept
+    assert sorted(os.listdir(tmp_path)) == everything
+    vgrpo.prune_checkpoints(str(tmp_path), 2)
+    assert sorted(os.listdir(tmp_path)) == [name for name in everything if name != "checkpoint-9"]
+
+
+
+def test_a_resume_drops_the_metrics_logged_after_its_checkpoint_and_a_fresh_run_drops_them_all(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i, "reward_mean": i / 2}) + "\n" for i in range(5)) + "\n")
+    vgrpo.trim_metrics(str(path), 2)   # resumed from checkpoint-2: iterations 3 and 4 will be logged again
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"iteration": i, "reward_mean": i / 2} for i in range(3)]
+    vgrpo.trim_metrics(str(path), 0)
+    assert path.read_text() == ""
+    vgrpo.trim_metrics(str(tmp_path / "eval.jsonl"), 2)   # nothing logged yet: nothing written
+    assert not (tmp_path / "eval.jsonl").exists()
+
+
+def test_each_process_steps_on_its_share_of_the_prompt_groups_split_over_the_inner_steps():
+    def local(world, **flags):
+        return vgrpo.local_minibatch(vgrpo.Args(model="sd3", **flags), world)
+    assert local(8, prompts_per_step=48, group_size=24, inner_steps=2) == 48 // 8 * 24 // 2 == 72
+    assert local(2, prompts_per_step=48, group_size=24, inner_steps=3) == 24 * 24 // 3 == 192
+    assert local(1, prompts_per_step=4, group_size=8, inner_steps=1) == 32
+
+# One of 2 ranks: what the metrics' collectives make of each rank's statistics, rewards and flags.
+TWO_RANKS = """
+import json, sys, torch, torch.distributed as dist
+import vgrpo
+rank, cpu = int(sys.argv[2]), torch.device("cpu")
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method="file://" + sys.argv[1])
+stats = {"policy_loss": [1.0, 4.0][rank], "clip_frac": [0.125, 0.375][rank], "ratio_min": [0.5, 0.25][rank],
+         "ratio_max": [1.5, 2.0][rank]}
+rewards = (torch.arange(6).view(2, 3) + 10 * rank).T   # (3, 2): a transposed view, gathered as it reads
+print(json.dumps({"stats": vgrpo.reduce_stats(stats, 2, cpu), "rewards": vgrpo.all_gather_cat(rewards, 2).tolist(),
+                  "any": [vgrpo.any_rank(rank == 1, 2, cpu), vgrpo.any_rank(False, 2, cpu)]}))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_metrics_are_the_mean_of_their_statistics_the_extremes_of_the_ratio_and_every_sample(tmp_path):
+    env = {**ENV, "PYTHONPATH": HERE}
+    ranks = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(tmp_path / "group"), str(rank)], cwd=HERE,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [p.communicate(timeout=300) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    for out, _ in outputs:   # every rank gets the same, rank 0's samples first
+        assert json.loads(out) == {
+            "stats": {"clip_frac": 0.25, "policy_loss": 2.5, "ratio_max": 2.0, "ratio_min": 0.25},
+            "rewards": [[0, 3], [1, 4], [2, 5], [10, 13], [11, 14], [12, 15]], "any": [True, False]}
 
 @pytest.mark.slow
 def test_prompts_that_do_not_split_over_processes_are_refused(tmp_path):

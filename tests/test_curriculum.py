@@ -4,8 +4,10 @@ logs the stage and resumes inside the right one exactly as an uninterrupted run.
 
 import json
 import os
+import re
 import subprocess
 import sys
+import types
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -147,3 +149,62 @@ def test_a_curriculum_switches_stages_and_resumes_inside_the_right_one_exactly(t
     assert any(not torch.equal(a[k], start[k]) for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [x["reward_mean"] for x in read(part / "metrics.jsonl")] == [x["reward_mean"] for x in m]
+
+
+def test_a_curriculum_file_read_from_another_folder_uses_the_projects_prompt_files(tmp_path, monkeypatch):
+    """A first stage whose preset has a length of its own (sd3-ocr's 30: the file's count wins), a stage without a
+    preset (its own flags, the model's recipe under them), each one iteration or two; the presets' prompt files are
+    the project's wherever vgrpo is launched from."""
+    (tmp_path / "c.json").write_text(json.dumps([{"iterations": 1, "preset": "sd3-ocr"},
+                                                 {"iterations": 2, "reward": "jpeg", "n_mc": 3}]))
+    monkeypatch.chdir(tmp_path)
+    args = vgrpo.parse_args(["--curriculum", "c.json"])
+    assert (args.model, args.iterations, args.reward) == ("sd3", 3, "ocr")
+    stages = vgrpo.curriculum_stages(args)
+    assert [(name, start, end) for name, start, end, _ in stages] == [("sd3-ocr", 0, 1), ("stage-2", 1, 3)]
+    ocr, own = stages[0][3], stages[1][3]
+    assert os.path.samefile(ocr.prompts, os.path.join(ROOT, "prompts", "ocr_train.txt"))   # relative to tmp_path
+    assert os.path.samefile(own.prompts, os.path.join(ROOT, "prompts", "train.txt"))
+    assert (ocr.reward, ocr.n_mc, ocr.adv_soft_clip, ocr.beta, ocr.iterations) == ("ocr", 10, 0.0, 0.3, 3)
+    assert (own.reward, own.n_mc, own.adv_soft_clip, own.beta, own.iterations) == ("jpeg", 3, 3.0, 0.0, 3)
+
+
+def test_a_curriculum_is_a_name_or_an_existing_json_file_and_a_bad_stage_names_what_a_stage_holds(tmp_path):
+    text = tmp_path / "stages.txt"
+    text.write_text('[{"iterations": 1}]')
+    for name in (str(tmp_path / "missing.json"), str(text)):
+        with pytest.raises(vgrpo.UsageError, match=rf"^unknown --curriculum '{re.escape(name)}': use sd3 or a \.json "
+                                                   r"file of stages$"):
+            vgrpo.load_curriculum(name)
+    one = tmp_path / "one.json"
+    one.write_text('[{"iterations": 1}]')
+    assert vgrpo.load_curriculum(str(one)) == [{"iterations": 1}]
+    for content in ("[3]", '[{"iterations": 1}, {"iterations": "2"}]'):
+        one.write_text(content)
+        with pytest.raises(vgrpo.UsageError, match=r'^--curriculum \S+, stage \d: expected \{"iterations": N >= 1, '
+                                                   r'"preset": one of sd3-preference, sd3-geneval, sd3-ocr, '
+                                                   r'flux-preference, or any of reward, prompts, n_mc, adv_soft_clip, '
+                                                   r'beta\}$'):
+            vgrpo.load_curriculum(str(one))
+
+
+def test_each_stage_becomes_the_runs_at_its_first_iteration_and_rank_0_says_so(capsys):
+    stages = [vgrpo.Stage(name, start, end, args, reward_fn=f"{name} reward", prompts=[name], metadata=[{}])
+              for name, start, end, args in vgrpo.curriculum_stages(vgrpo.parse_args(["--curriculum", "sd3"]))]
+    for rank in (0, 1):
+        run = types.SimpleNamespace(stages=stages, args=None, reward_fn=None, prompts=None, metadata=None, rank=rank)
+        used = []
+        for it in (0, 149, 150, 349, 350, 549, 550, 579):
+            vgrpo.use_stage(run, it)
+            used.append(stages.index(next(s for s in stages if s.args is run.args)))
+            assert (run.reward_fn, run.prompts) == (f"{stages[used[-1]].name} reward", [stages[used[-1]].name])
+        assert used == [0, 0, 1, 1, 2, 3, 4, 4]
+        lines = capsys.readouterr().out.splitlines()
+        assert lines == ([] if rank else [
+            f"vgrpo: stage {k + 1}/5 {s.name}, iterations {s.start + 1}..{s.end}: reward {s.args.reward}, prompts "
+            f"{s.args.prompts}, N_MC {s.args.n_mc}, soft clip {s.args.adv_soft_clip:g}, beta {s.args.beta:g}"
+            for k, s in enumerate(stages)])
+        if rank == 0:
+            assert lines[1].startswith("vgrpo: stage 2/5 sd3-geneval, iterations 151..350: reward geneval_partial, "
+                                       "prompts ") and lines[1].endswith("geneval_train.jsonl, N_MC 10, soft clip 0, "
+                                                                         "beta 0")

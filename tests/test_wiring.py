@@ -841,6 +841,105 @@ def test_checkpoint_restores_weights_optimizer_and_the_fp16_loss_scale(sd3, out_
     assert all(torch.equal(state[i][k], saved["adam"]["state"][i][k]) for i in state for k in state[i])
 
 
+LORA = [*TINY, "--no-full-finetune", "--micro-batch", "4", "--lr", "1e-3"]
+
+
+def started(out, *flags):
+    """A run as `python vgrpo.py` starts it (start_run: the model, the LoRA, the EMA, a checkpoint to resume)."""
+    args = vgrpo.parse_args([*LORA, "--output-dir", out, *map(str, flags)])
+    vgrpo.validate(args, 1)
+    return vgrpo.start_run(args)
+
+
+def optimizer_tensors(run):
+    return [t for state in run.optimizer.state_dict()["state"].values() for t in state.values()]
+
+
+def test_a_lora_run_resumes_its_weights_ema_adamw_loss_scale_and_next_iteration_exactly(tmp_path):
+    """In-process, the path `--resume` takes: a LoRA checkpoint with its EMA (ema/) and fp16's loss scale read back
+    by start_run into a new run, which then trains its next iteration exactly as the saved run does."""
+    out = str(tmp_path / "run")
+    run, start = started(out, "--ema", "0.6", "--mixed-precision", "fp16")
+    assert start == 0 and run.scaler is not None
+    vgrpo.train_iteration(run, 0)
+    run.scaler.update(new_scale=96.0)   # as if fp16 overflows had lowered it
+    path = vgrpo.save_checkpoint(run, 1)
+    assert path == os.path.join(out, "checkpoint-1") and not os.path.exists(path + ".tmp")
+    assert sorted(os.listdir(path)) == ["ema", "optimizer.pt", "pytorch_lora_weights.safetensors", "scaler.pt",
+                                        "state.json"]
+    assert os.listdir(os.path.join(path, "ema")) == ["pytorch_lora_weights.safetensors"]
+    from safetensors import safe_open
+    for folder in (path, os.path.join(path, "ema")):   # the rank and alpha a pipeline's load_lora_weights scales by
+        with safe_open(os.path.join(folder, "pytorch_lora_weights.safetensors"), "pt") as f:
+            config = json.loads(f.metadata()["lora_adapter_metadata"])
+        assert (config["transformer.r"], config["transformer.lora_alpha"]) == (32, 64.0)
+    with open(os.path.join(path, "state.json")) as f:
+        state = json.load(f)
+    assert (state["iteration"], state["world_size"]) == (1, 1)
+    assert vgrpo.Args(**state["args"]) == run.args   # what --resume checks its configuration against
+
+    resumed, start = started(out, "--ema", "0.6", "--mixed-precision", "fp16", "--resume", path)
+    assert start == 1
+    # the EMA lags the weights, so weights restored from ema/ (or the EMA from the weights) would show
+    assert max((p - e).abs().max().item() for p, e in zip(run.params, run.ema.shadow)) > 1e-5
+    assert len(resumed.params) == len(run.params) > 0
+    assert all(torch.equal(a, b) for a, b in zip(resumed.params, run.params))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, run.ema.shadow))
+    saved_adam = optimizer_tensors(run)
+    assert len(saved_adam) == 3 * len(run.params)   # step, exp_avg, exp_avg_sq
+    assert all(torch.equal(a, b) for a, b in zip(optimizer_tensors(resumed), saved_adam))
+    assert resumed.scaler.get_scale() == 96.0
+    vgrpo.train_iteration(run, 1)
+    vgrpo.train_iteration(resumed, 1)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.params, run.params))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, run.ema.shadow))
+
+
+def test_a_resume_may_change_the_precision_with_or_without_fp16s_loss_scale(tmp_path):
+    """--mixed-precision is not part of what a resume must match: an fp16 checkpoint (scaler.pt) resumes without a
+    loss scaler, and a float32 one (none saved) with a new scaler at its initial scale."""
+    fp16 = str(tmp_path / "fp16")
+    run, _ = started(fp16, "--mixed-precision", "fp16")
+    path = vgrpo.save_checkpoint(run, 1)
+    assert os.path.isfile(os.path.join(path, "scaler.pt"))
+    resumed, start = started(fp16, "--resume", path)
+    assert (start, resumed.scaler) == (1, None)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.params, run.params))
+    plain = str(tmp_path / "plain")
+    run, _ = started(plain)
+    os.makedirs(os.path.join(plain, "checkpoint-1.tmp", "left by a save cut short"))
+    path = vgrpo.save_checkpoint(run, 1)
+    with torch.no_grad():
+        run.params[0].add_(1.0)
+    assert vgrpo.save_checkpoint(run, 1) == path   # saved again at the same iteration: replaced
+    assert [name for name in os.listdir(plain) if name.startswith("checkpoint")] == ["checkpoint-1"]
+    resumed, start = started(plain, "--mixed-precision", "fp16", "--resume", path)
+    assert start == 1 and resumed.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale() == 65536.0
+    assert all(torch.equal(a, b) for a, b in zip(resumed.params, run.params))
+    resumed.args = dataclasses.replace(resumed.args, keep_last=1)   # --keep-last 1: a save removes the one before
+    vgrpo.save_checkpoint(resumed, 2)
+    assert [name for name in os.listdir(plain) if name.startswith("checkpoint")] == ["checkpoint-2"]
+
+
+def test_a_lora_folder_that_does_not_fit_the_model_is_refused_in_one_line(tmp_path, flux):
+    """load_weights: a full fine-tuning checkpoint has no LoRA file; a LoRA of another model's layers (FLUX's, into
+    SD3) leaves keys unused, and the first is named."""
+    args = vgrpo.parse_args([*LORA, "--output-dir", str(tmp_path)])
+    family = vgrpo.load_family(args, CPU)
+    vgrpo.add_trainable_weights(family, args)
+    with pytest.raises(vgrpo.UsageError, match=r"^--resume .*: no pytorch_lora_weights.safetensors \(was it a "
+                                               r"--full-finetune run\?\)$"):
+        vgrpo.load_weights(str(tmp_path), family, args)
+    flux_args = vgrpo.parse_args([*LORA, "--model", "tiny-flux", "--output-dir", str(tmp_path)])
+    flux_lora = copy.deepcopy(flux)
+    vgrpo.add_trainable_weights(flux_lora, flux_args)
+    vgrpo.write_weights(flux_lora, flux_args, {k: v for k, v in flux_lora.transformer.state_dict().items()
+                                               if "lora_" in k}, str(tmp_path))
+    with pytest.raises(vgrpo.UsageError, match=r"^--resume .*: LoRA does not fit this model \(\S*single_transformer"
+                                               r"_blocks\S*lora_\S*, ...\)$"):
+        vgrpo.load_weights(str(tmp_path), family, args)
+
+
 def test_http_reward_sends_prompts_metadata_and_images_in_order():
     seen = []
     server, url = _serve("ok", seen)

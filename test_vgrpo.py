@@ -131,7 +131,6 @@ def test_zero_adv_groups_counts_the_groups_whose_advantages_are_all_zero_under_e
     assert vgrpo.iteration_metrics(run, 0, dict(stats), r, A)["zero_adv_groups"] == pytest.approx(1 / 3)
 
 
-
 def test_the_iteration_metrics_follow_their_formulas():
     """One process's metrics of an iteration, each written out here: population standard deviations, the stage
     (1-based) of a 2-stage curriculum, the transformer's and AdamW's bytes, the phases' total."""
@@ -157,6 +156,7 @@ def test_the_iteration_metrics_follow_their_formulas():
     assert [vgrpo.iteration_metrics(run, it, dict(stats), r, A)["stage"] for it in (0, 1, 8)] == [1, 1, 2]
     run.stages = stages[:1]                                                 # no curriculum: no stage
     assert "stage" not in vgrpo.iteration_metrics(run, 2, dict(stats), r, A)
+
 
 def test_flat_groups_are_those_whose_std_is_within_a_thousandth_of_their_mean():
     groups = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.999, 1.0, 1.0, 1.0], [0.9, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0],
@@ -1125,9 +1125,9 @@ def test_resume_from_a_folder_without_a_checkpoint_is_refused(tmp_path):
         vgrpo.validate(args, 1)
 
 
-
-def saved_state(directory, args, iteration, **changed):
-    """A checkpoint folder's state.json as save_checkpoint writes it, for `args` with some flags changed."""
+def write_state_json(directory, args, iteration, **changed):
+    """A checkpoint folder holding only the state.json save_checkpoint writes, for `args` with some flags changed:
+    all that check_resume_matches reads. -> the folder."""
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "state.json"), "w") as f:
         json.dump({"iteration": iteration, "args": dataclasses.asdict(dataclasses.replace(args, **changed)),
@@ -1141,16 +1141,17 @@ def test_a_resume_is_checked_against_the_checkpoints_iteration_configuration_and
     def check(path, **flags):
         vgrpo.check_resume_matches(dataclasses.replace(args, resume=path, **flags))
 
-    last = saved_state(tmp_path / "last", args, 5)
+    last = write_state_json(tmp_path / "last", args, 5)
     check(last)   # a finished run launched again: nothing left to train, not an error (a requeued job ends at once)
     with pytest.raises(vgrpo.UsageError, match=r"^--resume \S+ is at iteration 6 and --iterations is 5: nothing to "
                                                r"train; --iterations is the total, counted from the start$"):
-        check(saved_state(tmp_path / "past", args, 6))
+        check(write_state_json(tmp_path / "past", args, 6))
+    # listed in RESUME_MUST_MATCH's order
     with pytest.raises(vgrpo.UsageError, match=r"^--resume \S+ belongs to a different configuration: --lora-rank 8 "
                                                r"there, 32 here; --resolution 64 there, 32 here$"):
-        check(saved_state(tmp_path / "other", args, 2, lora_rank=8, resolution=64))
+        check(write_state_json(tmp_path / "other", args, 2, lora_rank=8, resolution=64))
     # full fine-tuning trains no LoRA: the rank and alpha it saved are not compared
-    full = saved_state(tmp_path / "full", args, 2, full_finetune=True, lora_rank=8, lora_alpha=3.0)
+    full = write_state_json(tmp_path / "full", args, 2, full_finetune=True, lora_rank=8, lora_alpha=3.0)
     check(full, full_finetune=True)
     with pytest.raises(vgrpo.UsageError, match=r"configuration: --full-finetune True there, False here; --lora-rank"):
         check(full)
@@ -1178,7 +1179,6 @@ def test_checkpoints_are_complete_folders_in_numeric_order_and_keep_last_removes
     assert sorted(os.listdir(tmp_path)) == [name for name in everything if name != "checkpoint-9"]
 
 
-
 def test_a_resume_drops_the_metrics_logged_after_its_checkpoint_and_a_fresh_run_drops_them_all(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"iteration": i, "reward_mean": i / 2}) + "\n" for i in range(5)) + "\n")
@@ -1194,9 +1194,13 @@ def test_a_resume_drops_the_metrics_logged_after_its_checkpoint_and_a_fresh_run_
 def test_each_process_steps_on_its_share_of_the_prompt_groups_split_over_the_inner_steps():
     def local(world, **flags):
         return vgrpo.local_minibatch(vgrpo.Args(model="sd3", **flags), world)
-    assert local(8, prompts_per_step=48, group_size=24, inner_steps=2) == 48 // 8 * 24 // 2 == 72
-    assert local(2, prompts_per_step=48, group_size=24, inner_steps=3) == 24 * 24 // 3 == 192
-    assert local(1, prompts_per_step=4, group_size=8, inner_steps=1) == 32
+    # SD3.5-M's recipe on 8 GPUs: 6 groups of 24 per GPU, 2 optimizer steps of 72
+    assert local(8, prompts_per_step=48, group_size=24, inner_steps=2) == 72
+    assert local(2, prompts_per_step=48, group_size=24, inner_steps=3) == 192
+    # (validate refuses a split that leaves a remainder; the floor is what the function promises)
+    assert local(8, prompts_per_step=48, group_size=24, inner_steps=5) == 28   # 144 / 5 = 28.8
+    assert all(type(local(1, prompts_per_step=4, group_size=8, inner_steps=k)) is int for k in (1, 3))
+
 
 # One of 2 ranks: what the metrics' collectives make of each rank's statistics, rewards and flags.
 TWO_RANKS = """
@@ -1218,12 +1222,17 @@ def test_two_ranks_metrics_are_the_mean_of_their_statistics_the_extremes_of_the_
     env = {**ENV, "PYTHONPATH": HERE}
     ranks = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(tmp_path / "group"), str(rank)], cwd=HERE,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    outputs = [p.communicate(timeout=300) for p in ranks]
+    try:
+        outputs = [p.communicate(timeout=300) for p in ranks]
+    finally:   # a rank that hangs in a collective is not left running
+        for p in ranks:
+            p.kill()
     assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
     for out, _ in outputs:   # every rank gets the same, rank 0's samples first
         assert json.loads(out) == {
             "stats": {"clip_frac": 0.25, "policy_loss": 2.5, "ratio_max": 2.0, "ratio_min": 0.25},
             "rewards": [[0, 3], [1, 4], [2, 5], [10, 13], [11, 14], [12, 15]], "any": [True, False]}
+
 
 @pytest.mark.slow
 def test_prompts_that_do_not_split_over_processes_are_refused(tmp_path):

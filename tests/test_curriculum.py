@@ -163,7 +163,9 @@ def test_a_curriculum_file_read_from_another_folder_uses_the_projects_prompt_fil
     stages = vgrpo.curriculum_stages(args)
     assert [(name, start, end) for name, start, end, _ in stages] == [("sd3-ocr", 0, 1), ("stage-2", 1, 3)]
     ocr, own = stages[0][3], stages[1][3]
-    assert os.path.samefile(ocr.prompts, os.path.join(ROOT, "prompts", "ocr_train.txt"))   # relative to tmp_path
+    # paths relative to where vgrpo runs (nodes with the project elsewhere agree on them), reaching the project's
+    assert not os.path.isabs(ocr.prompts) and not os.path.isabs(own.prompts)
+    assert os.path.samefile(ocr.prompts, os.path.join(ROOT, "prompts", "ocr_train.txt"))
     assert os.path.samefile(own.prompts, os.path.join(ROOT, "prompts", "train.txt"))
     assert (ocr.reward, ocr.n_mc, ocr.adv_soft_clip, ocr.beta, ocr.iterations) == ("ocr", 10, 0.0, 0.3, 3)
     assert (own.reward, own.n_mc, own.adv_soft_clip, own.beta, own.iterations) == ("jpeg", 3, 3.0, 0.0, 3)
@@ -179,17 +181,18 @@ def test_a_curriculum_is_a_name_or_an_existing_json_file_and_a_bad_stage_names_w
     one = tmp_path / "one.json"
     one.write_text('[{"iterations": 1}]')
     assert vgrpo.load_curriculum(str(one)) == [{"iterations": 1}]
-    for content in ("[3]", '[{"iterations": 1}, {"iterations": "2"}]'):
+    for content, stage in (("[3]", 1), ('[{"iterations": 1}, {"iterations": "2"}]', 2)):
         one.write_text(content)
-        with pytest.raises(vgrpo.UsageError, match=r'^--curriculum \S+, stage \d: expected \{"iterations": N >= 1, '
-                                                   r'"preset": one of sd3-preference, sd3-geneval, sd3-ocr, '
+        with pytest.raises(vgrpo.UsageError, match=rf'^--curriculum \S+, stage {stage}: expected \{{"iterations": '
+                                                   r'N >= 1, "preset": one of sd3-preference, sd3-geneval, sd3-ocr, '
                                                    r'flux-preference, or any of reward, prompts, n_mc, adv_soft_clip, '
                                                    r'beta\}$'):
             vgrpo.load_curriculum(str(one))
 
 
 def test_each_stage_becomes_the_runs_at_its_first_iteration_and_rank_0_says_so(capsys):
-    stages = [vgrpo.Stage(name, start, end, args, reward_fn=f"{name} reward", prompts=[name], metadata=[{}])
+    stages = [vgrpo.Stage(name, start, end, args, reward_fn=f"{name} reward", prompts=[name],
+                          metadata=[{"stage": name}])
               for name, start, end, args in vgrpo.curriculum_stages(vgrpo.parse_args(["--curriculum", "sd3"]))]
     for rank in (0, 1):
         run = types.SimpleNamespace(stages=stages, args=None, reward_fn=None, prompts=None, metadata=None, rank=rank)
@@ -197,7 +200,8 @@ def test_each_stage_becomes_the_runs_at_its_first_iteration_and_rank_0_says_so(c
         for it in (0, 149, 150, 349, 350, 549, 550, 579):
             vgrpo.use_stage(run, it)
             used.append(stages.index(next(s for s in stages if s.args is run.args)))
-            assert (run.reward_fn, run.prompts) == (f"{stages[used[-1]].name} reward", [stages[used[-1]].name])
+            name = stages[used[-1]].name
+            assert (run.reward_fn, run.prompts, run.metadata) == (f"{name} reward", [name], [{"stage": name}])
         assert used == [0, 0, 1, 1, 2, 3, 4, 4]
         lines = capsys.readouterr().out.splitlines()
         assert lines == ([] if rank else [

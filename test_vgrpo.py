@@ -159,11 +159,13 @@ def test_the_iteration_metrics_follow_their_formulas():
 
 
 def test_flat_groups_are_those_whose_std_is_within_a_thousandth_of_their_mean():
+    # the last group is flat by the population std (0.95e-3 of its mean), not by the sample std (1.10e-3)
     groups = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.999, 1.0, 1.0, 1.0], [0.9, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0],
-                           [-0.2, -0.2001, -0.2, -0.2], [0.0, 0.001, 0.0, 0.0]])
+                           [-0.2, -0.2001, -0.2, -0.2], [0.0, 0.001, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0022]])
     std, mean = groups.std(1, unbiased=False), groups.mean(1)
-    assert [bool(x) for x in std <= 1e-3 * mean.abs()] == [True, True, False, True, True, False]   # by hand
-    assert vgrpo.flat_group_share(groups) == pytest.approx(4 / 6)
+    assert [bool(x) for x in std <= 1e-3 * mean.abs()] == [True, True, False, True, True, False, True]   # by hand
+    assert not groups[-1].std() <= 1e-3 * groups[-1].mean()
+    assert vgrpo.flat_group_share(groups) == pytest.approx(5 / 7)
 
 
 def test_pixel_and_embedding_diversity_follow_their_formulas():
@@ -176,6 +178,16 @@ def test_pixel_and_embedding_diversity_follow_their_formulas():
     assert vgrpo.pixel_diversity(x) == pytest.approx(sum(rms) / 3, rel=1e-5)
     assert vgrpo.pixel_diversity(x) > 0.3                              # independent uniform noise: about 0.41
     assert vgrpo.pixel_diversity(x + 1e-4) == vgrpo.pixel_diversity(x)   # float noise below a uint8 level: none
+    beyond = x.clone()
+    beyond[0, :, 0], beyond[1, :, 0] = -0.5, 0.0                           # the rewards see both as black
+    beyond[0, :, 1], beyond[1, :, 1] = 1.5, 1.0                            # and both as white
+    clipped = beyond.clamp(0, 1)
+    assert beyond.ne(clipped).any() and vgrpo.pixel_diversity(beyond) == vgrpo.pixel_diversity(clipped)
+    # 30 pictures, one a uint8 level off in one pixel: 29 pairs 1/255 apart, exactly (torch's matmul shortcut for
+    # many rows, |a|^2 + |b|^2 - 2 a.b, rounds such a distance to 0)
+    near = x[:1].repeat(30, 1, 1, 1)
+    near[1, 0, 0, 0] += 1 / 255 if near[1, 0, 0, 0] < 1 else -1 / 255
+    assert vgrpo.pixel_diversity(near) == pytest.approx(2 * 29 / 255 / (30 * 29) / (3 * 8 * 8) ** 0.5, rel=1e-4)
     same = torch.randn(1, 16, generator=g) * torch.arange(1.0, 6.0)[:, None]
     assert abs(vgrpo.embedding_diversity(same)) < 1e-6
     f = torch.randn(4, 16, generator=g)
@@ -918,6 +930,7 @@ def test_help_gives_every_flags_default(capsys):
             assert f.default is not None or len(by_model) == len(vgrpo.RECIPES), flag   # no model left unnamed
             assert entries[flag].endswith(f"(default: {shown})"), entries[flag]
     assert "(default: 4)" in entries["--n-mc"] and "(default: 0.01)" in entries["--clip-eps"]
+    assert vgrpo.recipe_defaults("micro_batch") == "set by --model"   # a flag some recipes leave to the code
     assert entries["--beta"].endswith("(default: 0.0)")
     assert entries["--resolution"].endswith("(default: set by --model: sd3 512, flux 720, qwen-image 512, flux2-klein "
                                             "384, digits 16, tiny 32, tiny-flux 32)")

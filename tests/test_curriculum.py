@@ -86,7 +86,7 @@ def test_bad_curriculum_files_and_stage_prompts_are_one_line(tmp_path):
                              "--output-dir", str(tmp_path / "out")])
     with pytest.raises(vgrpo.UsageError, match=r"prompt file not found: missing.txt \(stage sd3-ocr\)"):
         vgrpo.validate(args, 8)
-    with pytest.raises(vgrpo.UsageError, match="--stage-prompts replaces .* give --curriculum"):
+    with pytest.raises(vgrpo.UsageError, match="^--stage-prompts replaces .* give --curriculum$"):
         vgrpo.validate(vgrpo.parse_args(["--stage-prompts", "sd3-ocr=a.txt", "--output-dir", str(tmp_path)]), 1)
 
 
@@ -212,3 +212,25 @@ def test_each_stage_becomes_the_runs_at_its_first_iteration_and_rank_0_says_so(c
             assert lines[1].startswith("vgrpo: stage 2/5 sd3-geneval, iterations 151..350: reward geneval_partial, "
                                        "prompts ") and lines[1].endswith("geneval_train.jsonl, N_MC 10, soft clip 0, "
                                                                          "beta 0")
+
+
+def test_stage_prompts_name_unnamed_stages_by_number_and_split_each_item_at_its_first_equals_sign(tmp_path,
+                                                                                                   monkeypatch):
+    """--stage-prompts PRESET=FILE,...: a stage without a preset is stage-N (counted from 1), several items are
+    comma-separated, and a file's path may itself hold '=' (a folder named lr=1e-4)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text(json.dumps([{"iterations": 1, "preset": "sd3-ocr"},
+                                                 {"iterations": 1, "reward": "jpeg"}]))
+    (tmp_path / "lr=1e-4").mkdir()
+    (tmp_path / "lr=1e-4" / "p.txt").write_text("a red apple\n")
+    (tmp_path / "q.txt").write_text('a sign that says "open"\n')
+    args = vgrpo.parse_args(["--curriculum", "c.json", "--stage-prompts", "stage-2=lr=1e-4/p.txt,sd3-ocr=q.txt",
+                             "--output-dir", "out"])
+    vgrpo.validate(args, 1)
+    assert [a.prompts for *_, a in vgrpo.curriculum_stages(args)] == ["q.txt", "lr=1e-4/p.txt"]
+    # stage 1 is named by its preset; there is no third (after a good item, the bad one is named)
+    for given, item in (("stage-1=q.txt", "stage-1=q.txt"), ("sd3-ocr=q.txt,stage-3=q.txt", "stage-3=q.txt")):
+        args = vgrpo.parse_args(["--curriculum", "c.json", "--stage-prompts", given, "--output-dir", "out"])
+        with pytest.raises(vgrpo.UsageError, match=rf"^--stage-prompts '{item}': expected PRESET=FILE with PRESET one "
+                                                   r"of the stages sd3-ocr, stage-2$"):
+            vgrpo.validate(args, 1)

@@ -141,6 +141,32 @@ def test_explicit_flags_win_over_presets_which_win_over_the_recipe(tmp_path):
         vgrpo.parse_args(["--preset", "sd4"])
 
 
+def test_what_the_code_derives_for_unset_flags_and_keeps_for_set_ones(tmp_path, monkeypatch):
+    """resolve_defaults beyond the recipes' values: LoRA's alpha twice its rank unless given; the micro-batch, the
+    largest divisor of the per-process minibatch up to 16 (tiny models) or 4; the recipe's prompt files relative to
+    wherever vgrpo is launched; --resume auto: the newest complete checkpoint, or a fresh start."""
+    monkeypatch.chdir(tmp_path)
+    parse = vgrpo.parse_args
+    lora = [parse(["--model", "sd3", *flags]) for flags in ([], ["--lora-rank", "8"],
+                                                            ["--lora-rank", "8", "--lora-alpha", "3"])]
+    assert [(a.lora_rank, a.lora_alpha) for a in lora] == [(32, 64.0), (8, 16.0), (8, 3.0)]
+    assert parse(["--model", "tiny"]).micro_batch == math.gcd(4 * 8, 16) == 16
+    assert parse(["--model", "sd3"]).micro_batch == math.gcd(48 * 24, 4) == 4
+    assert parse(["--model", "sd3", "--prompts-per-step", "1", "--group-size", "6"]).micro_batch == 2
+    assert parse(["--model", "sd3", "--micro-batch", "3"]).micro_batch == 3
+    demo = parse([])
+    assert not os.path.isabs(demo.prompts) and os.path.samefile(demo.prompts, os.path.join(ROOT, "prompts",
+                                                                                          "digits_train.jsonl"))
+    assert os.path.samefile(demo.eval_prompts, os.path.join(ROOT, "prompts", "digits_eval.jsonl"))
+    out = tmp_path / "out"
+    assert parse(["--model", "tiny", "--resume", "auto", "--output-dir", str(out)]).resume == ""
+    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-11"):
+        os.makedirs(out / name)
+        if name != "checkpoint-11":   # a save cut short: no state.json
+            (out / name / "state.json").write_text("{}")
+    assert parse(["--model", "tiny", "--resume", "auto", "--output-dir", str(out)]).resume == str(out / "checkpoint-10")
+
+
 def test_the_shipped_prompt_set_is_large_varied_and_disjoint_from_the_held_out_one():
     train, _ = vgrpo.load_prompts(os.path.join(ROOT, "prompts", "train.txt"))
     held_out, _ = vgrpo.load_prompts(os.path.join(ROOT, "prompts", "eval.txt"))

@@ -166,6 +166,8 @@ def test_flat_groups_are_those_whose_std_is_within_a_thousandth_of_their_mean():
     assert [bool(x) for x in std <= 1e-3 * mean.abs()] == [True, True, False, True, True, False, True]   # by hand
     assert not groups[-1].std() <= 1e-3 * groups[-1].mean()
     assert vgrpo.flat_group_share(groups) == pytest.approx(5 / 7)
+    # each group against its own mean: [0, 0.001, 0, 0] is not flat beside a group of ones either
+    assert vgrpo.flat_group_share(groups[[0, 5]]) == 0.5
 
 
 def test_pixel_and_embedding_diversity_follow_their_formulas():

@@ -1233,17 +1233,23 @@ dist.destroy_process_group()
 """
 
 
-def test_two_ranks_metrics_are_the_mean_of_their_statistics_the_extremes_of_the_ratio_and_every_sample(tmp_path):
-    env = {**ENV, "PYTHONPATH": HERE}
-    ranks = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(tmp_path / "group"), str(rank)], cwd=HERE,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+def run_two_gloo_ranks(script, tmp_path):
+    """`script` run by `python -c` as rank 0 and rank 1 of a gloo group (sys.argv[1]: the rendezvous file,
+    sys.argv[2]: the rank); both must exit 0. -> their (stdout, stderr)"""
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "group"), str(rank)], cwd=HERE,
+                              env={**ENV, "PYTHONPATH": HERE}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
     try:
         outputs = [p.communicate(timeout=300) for p in ranks]
     finally:   # a rank that hangs in a collective is not left running
         for p in ranks:
             p.kill()
     assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
-    for out, _ in outputs:   # every rank gets the same, rank 0's samples first
+    return outputs
+
+
+def test_two_ranks_metrics_are_the_mean_of_their_statistics_the_extremes_of_the_ratio_and_every_sample(tmp_path):
+    for out, _ in run_two_gloo_ranks(TWO_RANKS, tmp_path):   # every rank gets the same, rank 0's samples first
         assert json.loads(out) == {
             "stats": {"clip_frac": 0.25, "policy_loss": 2.5, "ratio_max": 2.0, "ratio_min": 0.25},
             "rewards": [[0, 3], [1, 4], [2, 5], [10, 13], [11, 14], [12, 15]], "any": [True, False]}

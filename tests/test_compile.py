@@ -17,7 +17,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import vgrpo  # noqa: E402
-from test_vgrpo import FAST, metrics, run_script, weights  # noqa: E402
+from test_vgrpo import FAST, metrics, run_script, run_two_gloo_ranks, weights  # noqa: E402
 
 
 def test_compile_on_cuda_without_triton_or_a_c_compiler_runs_eagerly_or_refuses(monkeypatch, capsys, tmp_path):
@@ -103,14 +103,7 @@ def test_every_rank_decides_compile_alike_when_one_node_lacks_the_toolchain(tmp_
     """2 ranks, the second on a node without gcc: --compile auto runs every rank's blocks eagerly (a rank compiled
     among eager ones would train with other numerics), with rank 0's note naming the rank; --compile on refuses on
     both ranks, naming it."""
-    import subprocess
-
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", COMPILE_ON_TWO_NODES, str(tmp_path / "group"), str(rank)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
-    outputs = [p.communicate(timeout=300) for p in ranks]
-    assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    outputs = run_two_gloo_ranks(COMPILE_ON_TWO_NODES, tmp_path)
     lacks = ["triton, a GPU of compute capability 7.0+ and a C compiler, and rank 1 lacks one",
              "a C compiler on rank 1"]
     for (out, _), what in zip(outputs, lacks):
